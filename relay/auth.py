@@ -1,0 +1,227 @@
+"""Authentication of inference callers: relay keys and inference tokens.
+
+`authenticate(request)` turns the request's credential into a Principal or
+raises AuthError with one of the product's messages. `recheck(principal)`
+re-validates a stored principal when a batch item runs: the credential may
+have been disabled, revoked, expired or rotated out since submit.
+"""
+
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+
+import jwt
+from django.utils import timezone
+
+from relay import crypto
+from relay.errors import AuthError, RelayError
+from relay.models import Project, RelayKey, RevokedToken, User
+
+TOKEN_ISSUER = "relay"
+
+
+@dataclass(frozen=True)
+class Principal:
+    principal_kind: str  # "serviceaccount" | "user"
+    principal_id: int
+    credential_kind: str  # "key" | "token"
+    credential_id: str  # relay key id, or the token's jti
+    owner_hash: str  # what batch ownership is matched on (see owner_hash())
+    project_id: int | None
+    team_id: int | None
+    policy_id: int | None
+    token_exp: int | None = None
+    token_ver: int | None = None
+    key_hash: str = ""  # sha256 of the relay key value that authenticated; "" for tokens
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Principal":
+        return cls(**data)
+
+
+def bearer_from_headers(headers) -> str:
+    """X-WR-API-Key, then Authorization: Bearer, then x-api-key (product order)."""
+    value = headers.get("X-WR-API-Key", "").strip()
+    if value:
+        return value
+    auth = headers.get("Authorization", "").strip()
+    if auth[:7].lower() == "bearer ":
+        return auth[7:].strip()
+    return headers.get("x-api-key", "").strip()
+
+
+def is_token(bearer: str) -> bool:
+    return bearer.startswith("ey") and bearer.count(".") == 2
+
+
+def authenticate(request) -> Principal:
+    bearer = bearer_from_headers(request.headers)
+    if not bearer:
+        raise AuthError("missing relay key")
+    if is_token(bearer):
+        return _principal_from_token(bearer)
+    return _principal_from_key(bearer)
+
+
+# --- relay keys -------------------------------------------------------------
+
+
+def _principal_from_key(bearer: str) -> Principal:
+    key_hash = crypto.sha256_hex(bearer)
+    key = _key_query().filter(key_hash=key_hash).first()
+    if key is None:
+        key = _key_query().filter(previous_key_hash=key_hash).first()
+        if key is None:
+            raise AuthError("invalid api key")
+        if not key.grace_until or key.grace_until <= timezone.now():
+            raise AuthError("api key rotated")
+    _check_key_state(key)
+    return _key_principal(key, key_hash)
+
+
+def _key_query():
+    return RelayKey.objects.select_related(
+        "service_account__project", "service_account__policy", "user", "project", "policy"
+    )
+
+
+def _check_key_state(key: RelayKey) -> None:
+    if not key.enabled:
+        raise AuthError("api key disabled")
+    if key.revoked_at is not None:
+        raise AuthError("api key revoked")
+    if key.expires_at is not None and key.expires_at <= timezone.now():
+        raise AuthError("api key expired")
+    if key.user_id and not key.user.is_active:
+        raise AuthError("api key disabled")
+
+
+def _key_principal(key: RelayKey, key_hash: str) -> Principal:
+    if key.service_account_id:
+        sa = key.service_account
+        project = sa.project
+        policy_id = key.policy_id or sa.policy_id or project.default_policy_id
+        kind, pid = "serviceaccount", sa.id
+    else:
+        project = key.project
+        policy_id = key.policy_id or (project.default_policy_id if project else None)
+        kind, pid = "user", key.user_id
+    return Principal(
+        principal_kind=kind,
+        principal_id=pid,
+        credential_kind="key",
+        credential_id=str(key.id),
+        # Ownership follows the key's *current* value: after a rotation the new
+        # value does not see what the old one submitted (product behaviour).
+        owner_hash=key_hash,
+        project_id=project.id if project else None,
+        team_id=project.team_id if project else None,
+        policy_id=policy_id,
+        key_hash=key_hash,
+    )
+
+
+# --- inference tokens -------------------------------------------------------
+
+
+def mint_token(user: User, project: Project, ttl_seconds: int) -> dict:
+    import uuid
+
+    now = int(datetime.now(UTC).timestamp())
+    claims = {
+        "iss": TOKEN_ISSUER,
+        "sub": f"user:{user.id}",
+        "prj": project.id,
+        "ver": user.token_version,
+        "jti": uuid.uuid4().hex,
+        "iat": now,
+        "exp": now + ttl_seconds,
+    }
+    token = jwt.encode(claims, crypto.token_signing_key(), algorithm="EdDSA")
+    return {"token": token, "jti": claims["jti"], "expires_at": claims["exp"], "project": project.name}
+
+
+def _decode(bearer: str, verify_exp: bool = True) -> dict:
+    public = crypto.token_signing_key().public_key()
+    try:
+        return jwt.decode(
+            bearer,
+            public,
+            algorithms=["EdDSA"],
+            issuer=TOKEN_ISSUER,
+            options={"require": ["exp", "sub", "jti", "ver", "prj"], "verify_exp": verify_exp},
+        )
+    except jwt.ExpiredSignatureError as exc:
+        raise AuthError("token expired") from exc
+    except jwt.PyJWTError as exc:
+        raise AuthError("invalid token") from exc
+
+
+def _principal_from_token(bearer: str) -> Principal:
+    claims = _decode(bearer)
+    sub = str(claims["sub"])
+    if not sub.startswith("user:") or not sub[5:].isdigit():
+        raise AuthError("invalid token")
+    user = User.objects.filter(pk=int(sub[5:])).first()
+    if user is None:
+        raise AuthError("invalid token")
+    _check_token_state(user, claims["ver"], claims["jti"])
+    project = Project.objects.filter(pk=claims["prj"]).first()
+    if project is None:
+        raise RelayError(403, "project_unavailable", "the token's project no longer exists")
+    return Principal(
+        principal_kind="user",
+        principal_id=user.id,
+        credential_kind="token",
+        credential_id=claims["jti"],
+        # Any token of the same user sees the user's batches.
+        owner_hash=f"user:{user.id}",
+        project_id=project.id,
+        team_id=project.team_id,
+        policy_id=project.default_policy_id,
+        token_exp=claims["exp"],
+        token_ver=claims["ver"],
+    )
+
+
+def _check_token_state(user: User, ver: int, jti: str) -> None:
+    if not user.is_active or user.token_version != ver:
+        raise AuthError("token revoked", code="token_revoked")
+    if RevokedToken.objects.filter(jti=jti).exists():
+        raise AuthError("token revoked", code="token_revoked")
+
+
+def revoke_token_jti(jti: str, expires_at: datetime) -> None:
+    RevokedToken.objects.update_or_create(jti=jti, defaults={"expires_at": expires_at})
+
+
+def revoke_token(bearer: str) -> str:
+    """Revoke a presented token (it need not be valid any more, only genuine)."""
+    claims = _decode(bearer, verify_exp=False)
+    revoke_token_jti(claims["jti"], datetime.fromtimestamp(claims["exp"], UTC))
+    return claims["jti"]
+
+
+# --- re-check at item run time ----------------------------------------------
+
+
+def recheck(principal: Principal) -> None:
+    """Raise AuthError if the credential stopped working since the principal was made."""
+    if principal.credential_kind == "key":
+        key = _key_query().filter(pk=int(principal.credential_id)).first()
+        if key is None:
+            raise AuthError("api key revoked")
+        if key.key_hash != principal.key_hash:
+            # Submitted with a value that has since been rotated.
+            if key.previous_key_hash != principal.key_hash or not key.grace_until or key.grace_until <= timezone.now():
+                raise AuthError("api key rotated")
+        _check_key_state(key)
+        return
+    if principal.token_exp is not None and principal.token_exp <= timezone.now().timestamp():
+        raise AuthError("token expired")
+    user = User.objects.filter(pk=principal.principal_id).first()
+    if user is None:
+        raise AuthError("invalid token")
+    _check_token_state(user, principal.token_ver, principal.credential_id)

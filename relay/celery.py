@@ -1,0 +1,11 @@
+"""The Celery app `relay`. Configuration lives in Django settings (CELERY_*)."""
+
+import os
+
+from celery import Celery
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "relay.settings")
+
+app = Celery("relay")
+app.config_from_object("django.conf:settings", namespace="CELERY")
+app.autodiscover_tasks()

@@ -1,0 +1,40 @@
+"""The embedded mode's demo catalog, pointed at the demo upstream.
+
+Everything here is labelled `demo`; it exists so the README's curl examples
+work offline. A real deployment applies its own catalog with `relay apply`.
+"""
+
+import os
+from pathlib import Path
+
+from django.conf import settings
+
+from relay.config_apply import apply_config, load_file
+from relay.models import RelayKey, ServiceAccount
+from relay.services import create_relay_key
+
+DEMO_FILE = Path(settings.BASE_DIR) / "deploy" / "demo-catalog.yaml"
+DEMO_KEY_FILE = "demo-relay-key.txt"
+
+
+def seed_demo() -> str:
+    """Apply the demo catalog; create the demo relay key once. Returns its plaintext."""
+    os.environ.setdefault("DEMO_UPSTREAM_KEY", "demo-upstream-key")
+    doc = load_file(str(DEMO_FILE))
+    upstream = os.environ.get("RELAY_DEMO_UPSTREAM_URL", "http://127.0.0.1:8090")
+    for host in doc.get("hosts", []):
+        host["base_url"] = upstream
+    apply_config(doc)
+    key_path = Path(settings.BASE_DIR) / ".relay-embedded" / DEMO_KEY_FILE
+    sa = ServiceAccount.objects.get(project__name="demo", name="demo-client")
+    if key_path.exists():
+        plaintext = key_path.read_text().strip()
+        from relay.crypto import sha256_hex
+
+        if RelayKey.objects.filter(key_hash=sha256_hex(plaintext)).exists():
+            return plaintext
+    _, plaintext = create_relay_key(service_account=sa, name="demo key")
+    key_path.parent.mkdir(parents=True, exist_ok=True)
+    key_path.write_text(plaintext + "\n")
+    key_path.chmod(0o600)
+    return plaintext

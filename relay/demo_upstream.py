@@ -1,0 +1,250 @@
+"""A DEMO / TEST upstream that speaks the providers' wire formats. Not a model.
+
+It answers OpenAI Chat Completions, Completions, Embeddings and Responses, and
+Anthropic Messages with canned, deterministic replies that echo the prompt and
+report token usage in each API's own usage shape. `make run` points the demo
+catalog at it so the README's curl examples work offline; the test suite uses
+the same server (`tests/fakes.py`) and scripts failures into it.
+
+Scripting (tests): `server.script(key, [Reply(...), ...])` queues replies for
+calls made with that API key (or "*" for any); unscripted calls succeed.
+"""
+
+import json
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+DEMO_BANNER = "[relay demo upstream: canned reply, not a real model]"
+
+
+@dataclass
+class Reply:
+    status: int = 200
+    body: dict | None = None  # None: the normal canned success body
+    headers: dict = field(default_factory=dict)
+    delay: float = 0.0  # seconds before answering
+    drip_seconds: float = 0.0  # send the body one byte at a time over this long
+    hang: bool = False  # accept and never answer (until the server stops)
+
+
+def _tokens(text: str) -> int:
+    return max(1, len(text.split()))
+
+
+def _prompt_text(body: dict) -> str:
+    if "messages" in body:
+        parts = []
+        for m in body.get("messages") or []:
+            content = m.get("content")
+            if isinstance(content, list):
+                parts.extend(c.get("text", "") for c in content if isinstance(c, dict))
+            elif content is not None:
+                parts.append(str(content))
+        return " ".join(parts)
+    for key in ("prompt", "input"):
+        if key in body:
+            value = body[key]
+            return value if isinstance(value, str) else json.dumps(value)
+    return ""
+
+
+def canned(path: str, body: dict) -> dict:
+    """A success body in the API's own shape, with that API's usage fields."""
+    model = body.get("model", "demo")
+    prompt = _prompt_text(body)
+    answer = f"{DEMO_BANNER} you said: {prompt[:200]}"
+    pin, pout = _tokens(prompt), _tokens(answer)
+    if path.endswith("/chat/completions"):
+        return {
+            "id": "chatcmpl-demo",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": answer}, "finish_reason": "stop"}],
+            "usage": {
+                "prompt_tokens": pin,
+                "completion_tokens": pout,
+                "total_tokens": pin + pout,
+                "prompt_tokens_details": {"cached_tokens": 0},
+            },
+        }
+    if path.endswith("/completions"):
+        return {
+            "id": "cmpl-demo",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": model,
+            "choices": [{"index": 0, "text": answer, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": pin, "completion_tokens": pout, "total_tokens": pin + pout},
+        }
+    if path.endswith("/embeddings"):
+        inputs = body.get("input")
+        inputs = inputs if isinstance(inputs, list) else [inputs]
+        return {
+            "object": "list",
+            "model": model,
+            "data": [
+                {"object": "embedding", "index": i, "embedding": [0.1 * (i + 1), 0.2, 0.3]} for i in range(len(inputs))
+            ],
+            "usage": {"prompt_tokens": pin, "total_tokens": pin},
+        }
+    if path.endswith("/responses"):
+        return {
+            "id": "resp_demo",
+            "object": "response",
+            "created_at": int(time.time()),
+            "model": model,
+            "status": "completed",
+            "output": [
+                {
+                    "type": "message",
+                    "role": "assistant",
+                    "content": [{"type": "output_text", "text": answer}],
+                }
+            ],
+            "usage": {
+                "input_tokens": pin,
+                "output_tokens": pout,
+                "total_tokens": pin + pout,
+                "input_tokens_details": {"cached_tokens": 0},
+            },
+        }
+    if path.endswith("/messages"):
+        return {
+            "id": "msg_demo",
+            "type": "message",
+            "role": "assistant",
+            "model": model,
+            "content": [{"type": "text", "text": answer}],
+            "stop_reason": "end_turn",
+            "usage": {
+                "input_tokens": pin,
+                "output_tokens": pout,
+                "cache_read_input_tokens": 0,
+                "cache_creation_input_tokens": 0,
+            },
+        }
+    return {"error": {"message": f"unknown path {path}", "type": "invalid_request_error"}}
+
+
+KNOWN_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/v1/messages")
+
+
+class DemoUpstream(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, host="127.0.0.1", port=0):
+        super().__init__((host, port), _Handler)
+        self.lock = threading.Lock()
+        self.scripts: dict[str, deque] = {}
+        self.received: list[dict] = []
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.stopping = threading.Event()
+        self._thread = None
+
+    @property
+    def url(self) -> str:
+        host, port = self.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def script(self, key: str, replies: list[Reply]) -> None:
+        with self.lock:
+            self.scripts.setdefault(key, deque()).extend(replies)
+
+    def reset(self) -> None:
+        with self.lock:
+            self.scripts.clear()
+            self.received.clear()
+            self.max_in_flight = self.in_flight
+
+    def next_reply(self, key: str) -> Reply:
+        with self.lock:
+            for k in (key, "*"):
+                q = self.scripts.get(k)
+                if q:
+                    return q.popleft()
+        return Reply()
+
+    def start(self) -> "DemoUpstream":
+        self._thread = threading.Thread(target=self.serve_forever, name="demo-upstream", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.shutdown()
+        self.server_close()
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: DemoUpstream
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, fmt, *args):  # keep test output quiet
+        pass
+
+    def do_POST(self):
+        srv = self.server
+        length = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(length) if length else b""
+        try:
+            body = json.loads(raw or b"{}")
+        except ValueError:
+            body = {}
+        key = self.headers.get("x-api-key") or self.headers.get("Authorization", "").removeprefix("Bearer ")
+        with srv.lock:
+            srv.received.append({"path": self.path, "headers": dict(self.headers.items()), "body": body, "key": key})
+            srv.in_flight += 1
+            srv.max_in_flight = max(srv.max_in_flight, srv.in_flight)
+        try:
+            self._answer(srv, key, body)
+        finally:
+            with srv.lock:
+                srv.in_flight -= 1
+
+    def _answer(self, srv: DemoUpstream, key: str, body: dict):
+        reply = srv.next_reply(key)
+        if reply.hang:
+            srv.stopping.wait(600)
+            return
+        if reply.delay:
+            srv.stopping.wait(reply.delay)
+        if self.path not in KNOWN_PATHS and reply.body is None:
+            reply = Reply(status=404, body={"error": {"message": f"no route {self.path}", "type": "not_found"}})
+        payload = json.dumps(reply.body if reply.body is not None else canned(self.path, body)).encode()
+        self.send_response(reply.status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        for name, value in reply.headers.items():
+            self.send_header(name, str(value))
+        self.end_headers()
+        if reply.drip_seconds:
+            step = reply.drip_seconds / max(1, len(payload))
+            for i in range(len(payload)):
+                if srv.stopping.is_set():
+                    return
+                self.wfile.write(payload[i : i + 1])
+                self.wfile.flush()
+                time.sleep(step)
+        else:
+            self.wfile.write(payload)
+
+
+def main():  # pragma: no cover - the embedded launcher runs it
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Relay demo upstream (canned replies, not a model)")
+    parser.add_argument("--port", type=int, default=8090)
+    args = parser.parse_args()
+    server = DemoUpstream(port=args.port)
+    print(f"demo upstream on {server.url} — canned replies, not a real model", flush=True)
+    server.serve_forever()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

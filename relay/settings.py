@@ -1,0 +1,159 @@
+"""Relay settings. Every value comes from the environment (django-environ).
+
+Two modes share this file:
+- embedded (`make run`): SQLite + an embedded redis-server started by
+  `relay.embedded`; secrets are generated once and kept under `.relay-embedded/`.
+- full stack / production: `DATABASE_URL`, `REDIS_URL` and the secrets are set
+  explicitly. Outside DEBUG and embedded mode a missing secret stops start-up
+  with a message that names it.
+
+`.env.example` lists every variable.
+"""
+
+from pathlib import Path
+
+import environ
+from django.core.exceptions import ImproperlyConfigured
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+env = environ.Env()
+# A local .env is a convenience for developers; the environment always wins.
+environ.Env.read_env(BASE_DIR / ".env", overwrite=False)
+
+DEBUG = env.bool("DEBUG", default=False)
+RELAY_EMBEDDED = env.bool("RELAY_EMBEDDED", default=False)
+
+
+def _secret(name: str) -> str:
+    value = env.str(name, default="")
+    if value:
+        return value
+    if DEBUG or RELAY_EMBEDDED:
+        # Development only: a fixed, clearly insecure value so tests and a
+        # throw-away checkout run without ceremony.
+        return f"insecure-dev-{name.lower()}"
+    raise ImproperlyConfigured(
+        f"{name} is not set. Set it in the environment (see .env.example); "
+        "only DEBUG=1 or RELAY_EMBEDDED=1 may run without it."
+    )
+
+
+SECRET_KEY = _secret("SECRET_KEY")
+RELAY_MASTER_KEY = _secret("RELAY_MASTER_KEY")
+RELAY_ADMIN_TOKEN = _secret("RELAY_ADMIN_TOKEN")
+
+ALLOWED_HOSTS = env.list("ALLOWED_HOSTS", default=["*"])
+CSRF_TRUSTED_ORIGINS = env.list("CSRF_TRUSTED_ORIGINS", default=[])
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "relay",
+    "policies",
+    "usage",
+    "batches",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "relay.urls"
+WSGI_APPLICATION = "relay.wsgi.application"
+AUTH_USER_MODEL = "relay.User"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+DATABASES = {"default": env.db("DATABASE_URL", default=f"sqlite:///{BASE_DIR / '.relay-embedded' / 'relay.sqlite3'}")}
+DATABASES["default"].setdefault("CONN_MAX_AGE", env.int("DB_CONN_MAX_AGE", default=60))
+DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
+if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
+    # The web server, the worker and the sweeper all write to one file: wait for
+    # the lock instead of failing with "database is locked".
+    DATABASES["default"].setdefault("OPTIONS", {}).update(
+        {"timeout": 30, "transaction_mode": "IMMEDIATE", "init_command": "PRAGMA journal_mode=WAL;"}
+    )
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+REDIS_URL = env.str("REDIS_URL", default="redis://127.0.0.1:6379/0")
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = False
+USE_TZ = True
+
+STATIC_URL = "static/"
+# Serve the admin's assets straight from the apps: no collectstatic step.
+WHITENOISE_USE_FINDERS = True
+FORMS_URLFIELD_ASSUME_HTTPS = True
+
+REST_FRAMEWORK = {
+    # Inference and batch endpoints authenticate with relay keys / tokens
+    # themselves (relay.auth); DRF's own auth would answer in the wrong shape.
+    "DEFAULT_AUTHENTICATION_CLASSES": [],
+    "DEFAULT_PERMISSION_CLASSES": [],
+    "UNAUTHENTICATED_USER": None,
+    "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
+    "EXCEPTION_HANDLER": "relay.errors.drf_exception_handler",
+}
+
+# --- Relay ---------------------------------------------------------------
+MiB = 1024 * 1024
+RELAY_MAX_REQUEST_BYTES = env.int("RELAY_MAX_REQUEST_BYTES", default=32 * MiB)
+RELAY_BATCH_MAX_ITEMS = env.int("RELAY_BATCH_MAX_ITEMS", default=50_000)
+RELAY_BATCH_PAYLOAD_DIR = env.str("RELAY_BATCH_PAYLOAD_DIR", default="relay-batch-payloads")
+# Rotation grace is capped like the product's keyRotateMaxGrace.
+RELAY_KEY_ROTATE_MAX_GRACE_SECONDS = env.int("RELAY_KEY_ROTATE_MAX_GRACE_SECONDS", default=24 * 3600)
+# Upstream call budget: connect timeout, per-read timeout and a total deadline.
+RELAY_UPSTREAM_CONNECT_TIMEOUT = env.float("RELAY_UPSTREAM_CONNECT_TIMEOUT", default=10.0)
+RELAY_UPSTREAM_READ_TIMEOUT = env.float("RELAY_UPSTREAM_READ_TIMEOUT", default=120.0)
+RELAY_UPSTREAM_DEADLINE = env.float("RELAY_UPSTREAM_DEADLINE", default=300.0)
+
+# --- Celery (namespace CELERY_) ---------------------------------------------
+CELERY_BROKER_URL = env.str("CELERY_BROKER_URL", default=REDIS_URL)
+CELERY_TASK_IGNORE_RESULT = True  # results live in Postgres, never in the broker
+CELERY_TASK_ACKS_LATE = True  # safe: the claim in Postgres makes redelivery harmless
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_TASK_REJECT_ON_WORKER_LOST = False  # the sweeper rescues crashed items
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_BROKER_TRANSPORT_OPTIONS = {
+    "visibility_timeout": 3600,
+    "health_check_interval": 30,
+    "socket_keepalive": True,
+}
+CELERY_TASK_DEFAULT_QUEUE = "default"
+CELERY_TASK_ALWAYS_EAGER = env.bool("CELERY_TASK_ALWAYS_EAGER", default=False)
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": env.str("LOG_LEVEL", default="INFO")},
+}

@@ -1,0 +1,14 @@
+from django.contrib import admin
+from django.urls import path
+
+from relay.api.views import ModelsView
+from relay.views import HealthView
+
+admin.site.site_header = "Relay batch — operator"
+admin.site.site_title = "Relay batch"
+
+urlpatterns = [
+    path("healthz", HealthView.as_view(), name="healthz"),
+    path("v1/models", ModelsView.as_view(), name="models"),
+    path("admin/", admin.site.urls),
+]

@@ -1,0 +1,97 @@
+"""`relay apply`: idempotent upsert, and bad files change nothing."""
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+from django.core.management import CommandError, call_command
+
+from policies.models import Policy
+from relay.config_apply import ConfigError, apply_config
+from relay.models import HostBinding, HostKey, Pricing, Project
+
+pytestmark = pytest.mark.django_db
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "catalog.yaml"
+
+
+@pytest.fixture
+def doc():
+    return yaml.safe_load(EXAMPLE.read_text())
+
+
+def snapshot():
+    from django.apps import apps
+
+    rows = {}
+    for app in ("relay", "policies"):
+        for model in apps.get_app_config(app).get_models():
+            rows[model.__name__] = sorted(map(str, model.objects.values_list(flat=False)))
+    return rows
+
+
+def test_example_applies_and_second_apply_changes_nothing(doc):
+    first = apply_config(copy.deepcopy(doc))
+    assert len(first.created) == 1 + 1 + 1 + 3 + 5 + 4 + 5 + 2 + 4 + 1
+    before = snapshot()
+    second = apply_config(copy.deepcopy(doc))
+    assert second.created == [] and second.updated == []
+    assert snapshot() == before
+    policy = Policy.objects.get(name="search-default")
+    assert [k.name for k in policy.pool()] == ["openai-primary", "openai-backup", "anthropic-primary", "vllm"]
+    assert Project.objects.get(name="search").default_policy == policy
+    assert Pricing.objects.get(name="gpt-4o").input_nanos_per_mtok == 2_500_000_000
+    assert HostKey.objects.get(name="vllm").get_value() == "not-needed-but-required"
+
+
+def test_changed_entry_is_updated_in_place(doc):
+    apply_config(copy.deepcopy(doc))
+    doc["bindings"][0]["upstream_name"] = "gpt-4o-2024-11-20"
+    doc["policies"][0]["host_keys"] = ["openai-backup", "openai-primary"]
+    report = apply_config(doc)
+    assert "binding gpt-4o@openai" in report.updated and "policy search-default" in report.updated
+    assert HostBinding.objects.get(model__name="gpt-4o").upstream_name == "gpt-4o-2024-11-20"
+    assert [k.name for k in Policy.objects.get(name="search-default").pool()][:2] == ["openai-backup", "openai-primary"]
+
+
+@pytest.mark.parametrize(
+    "mutate,message",
+    [
+        (lambda d: d["bindings"].append({"model": "gpt-4o", "host": "nope"}), "bindings[5]: unknown host 'nope'"),
+        (lambda d: d["bindings"][1].update(adapter="gemini"), "bindings[1]: adapter 'gemini' is not one of"),
+        (lambda d: d["rate_limits"][0]["rules"][0].update(window="1m"), "rate_limits[0]: rules[0]: window must be"),
+        (lambda d: d["host_keys"][0].update(value="x"), "host_keys[0]: give exactly one of"),
+        (lambda d: d["policies"][0].update(models=["openai/gpt@"]), "policies[0]: grant 'openai/gpt@'"),
+        (lambda d: d["pricing"][0].update(input="-1"), "pricing[0]: input must not be negative"),
+        (lambda d: d["models"][0].update(colour="blue"), "models[0]: unknown field(s): colour"),
+        (lambda d: d.update(widgets=[]), "unknown top-level key(s): widgets"),
+        (lambda d: d["hosts"][0].update(base_url="not a url"), "hosts[0]: base_url: Enter a valid URL"),
+    ],
+)
+def test_bad_file_names_the_entry_and_changes_nothing(doc, mutate, message):
+    mutate(doc)
+    with pytest.raises(ConfigError) as err:
+        apply_config(doc)
+    assert message in str(err.value)
+    assert Project.objects.count() == 0 and HostBinding.objects.count() == 0
+
+
+def test_bad_file_after_good_apply_leaves_previous_state(doc):
+    apply_config(copy.deepcopy(doc))
+    before = snapshot()
+    doc["hosts"][0]["base_url"] = "https://changed.example"
+    doc["policies"][0]["rate_limit"] = "missing-limit"
+    with pytest.raises(ConfigError, match="policies\\[0\\]: unknown rate limit 'missing-limit'"):
+        apply_config(doc)
+    assert snapshot() == before
+
+
+def test_cli_apply_reports_and_rejects(tmp_path, capsys):
+    call_command("relay", "apply", "-f", str(EXAMPLE))
+    assert "27 created" in capsys.readouterr().out
+    call_command("relay", "apply", "-f", str(EXAMPLE))
+    assert "0 created, 0 updated, 27 unchanged" in capsys.readouterr().out
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("hosts: [ {name: x")
+    with pytest.raises(CommandError, match="not valid YAML"):
+        call_command("relay", "apply", "-f", str(bad))

@@ -1,0 +1,74 @@
+"""One usage event per request (live or batch item), written once.
+
+Attribution is stored both as ids and as the names in force when the event was
+recorded (slugs), like the product: renaming a project later does not rewrite
+history. `cost_nano_usd` is integer nano-USD computed once at record time from
+the binding's pricing; null means unpriced, never 0.
+"""
+
+from django.db import models
+from django.db.models import Q
+from django.utils import timezone
+
+
+class Source(models.TextChoices):
+    LIVE = "live"
+    BATCH = "batch"
+
+
+class UsageEvent(models.Model):
+    request_id = models.CharField(max_length=64, unique=True)  # "written once" is a constraint
+    source = models.CharField(max_length=16, choices=Source.choices)
+    ts = models.DateTimeField(default=timezone.now)
+    status = models.PositiveSmallIntegerField(default=0)  # 0: rejected before any upstream answer
+    duration_ms = models.PositiveIntegerField(default=0)
+    attempts = models.PositiveSmallIntegerField(default=0)
+    error_kind = models.CharField(max_length=64, blank=True, default="")
+    error_message = models.CharField(max_length=500, blank=True, default="")
+
+    credential_kind = models.CharField(max_length=16, blank=True, default="")
+    credential_id = models.CharField(max_length=64, blank=True, default="")
+    principal_kind = models.CharField(max_length=16, blank=True, default="")
+    principal_id = models.BigIntegerField(null=True, blank=True)
+    project_id = models.BigIntegerField(null=True, blank=True)
+    team_id = models.BigIntegerField(null=True, blank=True)
+    policy_id = models.BigIntegerField(null=True, blank=True)
+    host_key_id = models.BigIntegerField(null=True, blank=True)
+    project = models.CharField(max_length=100, blank=True, default="")
+    team = models.CharField(max_length=100, blank=True, default="")
+    policy = models.CharField(max_length=100, blank=True, default="")
+    model = models.CharField(max_length=200, blank=True, default="")
+    provider = models.CharField(max_length=100, blank=True, default="")
+    host = models.CharField(max_length=100, blank=True, default="")
+    batch_id = models.CharField(max_length=64, blank=True, default="", db_index=True)
+
+    input_tokens = models.BigIntegerField(default=0)
+    output_tokens = models.BigIntegerField(default=0)
+    cache_read_tokens = models.BigIntegerField(default=0)
+    cache_write_tokens = models.BigIntegerField(default=0)
+    cost_nano_usd = models.BigIntegerField(null=True, blank=True)
+
+    class Meta:
+        indexes = [
+            # Keyset pagination, newest first: (ts, request_id).
+            models.Index(fields=["-ts", "-request_id"], name="usage_ts_rid_desc"),
+            models.Index(fields=["principal_kind", "principal_id", "-ts"], name="usage_principal_ts"),
+            models.Index(fields=["source", "-ts"], name="usage_source_ts"),
+        ]
+        constraints = [
+            models.CheckConstraint(condition=Q(source__in=[s.value for s in Source]), name="usage_source_valid"),
+            models.CheckConstraint(
+                condition=Q(input_tokens__gte=0)
+                & Q(output_tokens__gte=0)
+                & Q(cache_read_tokens__gte=0)
+                & Q(cache_write_tokens__gte=0),
+                name="usage_tokens_not_negative",
+            ),
+        ]
+
+    def __str__(self):
+        return f"{self.request_id} {self.source} {self.model} {self.status}"
+
+    @property
+    def total_tokens(self) -> int:
+        return self.input_tokens + self.output_tokens + self.cache_read_tokens + self.cache_write_tokens
