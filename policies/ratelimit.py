@@ -1,0 +1,317 @@
+"""Rate limits, enforced atomically in Redis so every process shares one budget.
+
+A request takes a `Reservation` before it is sent and settles it afterwards:
+
+- `reserve()` checks every rule of a rate limit in ONE Lua script. If any rule is
+  spent nothing is consumed and `RateLimited` carries the longest wait. Otherwise
+  `requests` rules consume 1 and `concurrency` gauges go up by 1.
+- `commit()` charges the observed tokens to the token meters and drops the gauge;
+  `release()` (failure paths) only drops the gauge. Both are idempotent.
+
+Token meters are counted after the response, so the product enforces them as a
+sliding window whatever strategy the rule names; so does this module. All clocks
+are Redis server time (`TIME` inside the scripts): processes on machines with
+skewed clocks still agree on windows.
+
+Keys share the hash tag of the caller's scope, so one script may touch all of
+them on a Redis Cluster:
+
+    relay:rl:{<scope>}:<rule id>:<meter>:<strategy>:<window>   requests / token meters
+    relay:rl:{<scope>}:<rule id>:concurrency                  the in-flight gauge
+
+Strategy and window are part of the key so that editing a rule starts a fresh
+bucket instead of reinterpreting state written under other maths.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import TYPE_CHECKING
+
+import redis
+from redis.commands.core import Script
+
+from policies.models import Meter, Strategy
+from relay.redis import get_redis
+
+if TYPE_CHECKING:
+    from policies.models import RateLimit
+
+TOKEN_METERS = frozenset({Meter.TOKENS, Meter.TOKENS_INPUT, Meter.TOKENS_OUTPUT})
+# The product keeps bucket state for twice the window and the gauge for five
+# windows: long enough to be exact, short enough that a crashed process cannot
+# pin a concurrency slot forever.
+STATE_TTL_WINDOWS = 2
+GAUGE_TTL_WINDOWS = 5
+# A spent gauge frees when some request finishes, which no clock predicts.
+CONCURRENCY_RETRY_MS = 1000
+
+# Shared helpers of both scripts. Times are milliseconds of Redis server time.
+_LUA_COMMON = """
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+-- Two-bucket sliding window: the current and the previous window's counts,
+-- rolled forward to the window that contains `now`.
+local function sliding_state(key, now, window)
+  local idx = math.floor(now / window)
+  local s = redis.call('HMGET', key, 'idx', 'cur', 'prev')
+  local stored = tonumber(s[1])
+  local cur, prev = 0, 0
+  if stored == idx then
+    cur, prev = tonumber(s[2]) or 0, tonumber(s[3]) or 0
+  elseif stored == idx - 1 then
+    prev = tonumber(s[2]) or 0
+  end
+  return idx, cur, prev, now - idx * window
+end
+
+local function sliding_write(key, idx, cur, prev, window)
+  redis.call('HSET', key, 'idx', idx, 'cur', cur, 'prev', prev)
+  redis.call('PEXPIRE', key, window * %(state_ttl)d)
+end
+"""
+
+_RESERVE_LUA = (
+    _LUA_COMMON
+    + """
+-- Milliseconds until cur + prev*(1 - elapsed/window) falls to `limit`
+-- (below it when `strict`). If the current window alone is over the limit,
+-- the wait runs past the roll, where the current count starts to decay.
+local function sliding_wait(cur, prev, elapsed, window, limit, strict)
+  local wait
+  if cur > limit or (strict and cur >= limit) then
+    wait = (window - elapsed) + window * (1 - limit / cur)
+  else
+    wait = window * (1 - (limit - cur) / prev) - elapsed
+  end
+  if strict then wait = wait + 1 end
+  return wait
+end
+
+-- ARGV holds 4 values per rule (KEYS[i]): kind, amount, window ms, strategy.
+-- Every rule is decided before anything is written, so a denial consumes nothing.
+local now = now_ms()
+local apply = {}
+local worst_rule, worst_wait = 0, -1
+for i, key in ipairs(KEYS) do
+  local base = (i - 1) * 4
+  local kind = ARGV[base + 1]
+  local amount = tonumber(ARGV[base + 2])
+  local window = tonumber(ARGV[base + 3])
+  local strategy = ARGV[base + 4]
+  local wait = nil
+
+  if kind == 'concurrency' then
+    local inflight = tonumber(redis.call('GET', key) or '0')
+    if inflight + 1 > amount then
+      wait = %(concurrency_retry_ms)d
+    else
+      apply[#apply + 1] = function()
+        redis.call('INCR', key)
+        redis.call('PEXPIRE', key, window * %(gauge_ttl)d)
+      end
+    end
+
+  elseif kind == 'tokens' then
+    -- Only checked here; commit charges what the response reports.
+    local idx, cur, prev, elapsed = sliding_state(key, now, window)
+    if cur + prev * (1 - elapsed / window) >= amount then
+      wait = sliding_wait(cur, prev, elapsed, window, amount, true)
+    end
+
+  elseif strategy == 'sliding-window' then
+    local idx, cur, prev, elapsed = sliding_state(key, now, window)
+    if cur + prev * (1 - elapsed / window) + 1 > amount then
+      wait = sliding_wait(cur, prev, elapsed, window, amount - 1, false)
+    else
+      apply[#apply + 1] = function() sliding_write(key, idx, cur + 1, prev, window) end
+    end
+
+  elseif strategy == 'fixed-window' then
+    local idx = math.floor(now / window)
+    local s = redis.call('HMGET', key, 'idx', 'n')
+    local n = 0
+    if tonumber(s[1]) == idx then n = tonumber(s[2]) or 0 end
+    if n + 1 > amount then
+      wait = (idx + 1) * window - now
+    else
+      apply[#apply + 1] = function()
+        redis.call('HSET', key, 'idx', idx, 'n', n + 1)
+        redis.call('PEXPIRE', key, window * %(state_ttl)d)
+      end
+    end
+
+  else -- token-bucket: capacity `amount`, refilled continuously at amount/window
+    local s = redis.call('HMGET', key, 'tokens', 'ts')
+    local tokens = amount
+    if s[1] then
+      tokens = math.min(amount, tonumber(s[1]) + (now - tonumber(s[2])) * amount / window)
+    end
+    if tokens < 1 then
+      wait = (1 - tokens) * window / amount
+    else
+      apply[#apply + 1] = function()
+        redis.call('HSET', key, 'tokens', tokens - 1, 'ts', now)
+        redis.call('PEXPIRE', key, window * %(state_ttl)d)
+      end
+    end
+  end
+
+  if wait and wait > worst_wait then
+    worst_rule, worst_wait = i, wait
+  end
+end
+
+if worst_rule > 0 then
+  return {0, worst_rule, math.ceil(worst_wait)}
+end
+for _, fn in ipairs(apply) do fn() end
+return {1}
+"""
+) % {
+    "state_ttl": STATE_TTL_WINDOWS,
+    "gauge_ttl": GAUGE_TTL_WINDOWS,
+    "concurrency_retry_ms": CONCURRENCY_RETRY_MS,
+}
+
+# ARGV holds 3 values per key: kind ('tokens' or 'concurrency'), tokens to
+# charge, window ms.
+_SETTLE_LUA = (
+    _LUA_COMMON
+    + """
+local now = now_ms()
+for i, key in ipairs(KEYS) do
+  local base = (i - 1) * 3
+  local kind = ARGV[base + 1]
+  if kind == 'concurrency' then
+    -- Never below zero: the gauge may have expired under a long request.
+    if tonumber(redis.call('GET', key) or '0') > 0 then
+      redis.call('DECR', key)
+    end
+  else
+    local charge = tonumber(ARGV[base + 2])
+    local window = tonumber(ARGV[base + 3])
+    local idx, cur, prev = sliding_state(key, now, window)
+    sliding_write(key, idx, cur + charge, prev, window)
+  end
+end
+return 1
+"""
+) % {"state_ttl": STATE_TTL_WINDOWS}
+
+
+@lru_cache(maxsize=8)
+def _script(client: redis.Redis, source: str) -> Script:
+    # One Script per client: redis-py hashes the source once and then runs it by SHA.
+    return client.register_script(source)
+
+
+class RateLimited(Exception):
+    """A rule of the rate limit is spent. Nothing was consumed."""
+
+    def __init__(self, meter: str, subject: str, retry_after: int):
+        self.meter = meter
+        self.subject = subject
+        self.retry_after = retry_after
+        self.message = (
+            f"limit: budget exceeded: {meter} on {subject} retry_after={retry_after}s; try again in {retry_after}s"
+        )
+        super().__init__(self.message)
+
+    def __reduce__(self):
+        # Rebuilt from its fields, so it survives pickling (e.g. across Celery).
+        return type(self), (self.meter, self.subject, self.retry_after)
+
+
+@dataclass(frozen=True)
+class _Held:
+    """What a reservation must settle: a token meter to charge or a gauge to drop."""
+
+    key: str
+    meter: str
+    window_ms: int
+
+
+class Reservation:
+    """The result of `reserve()`. Settle it exactly once: `commit()` after an
+    answer with usage, `release()` on any failure path. Later calls do nothing."""
+
+    def __init__(self, held: list[_Held]):
+        self._held = held
+        self._settled = False
+
+    def commit(self, *, input_tokens: int = 0, output_tokens: int = 0) -> None:
+        charges = {
+            Meter.TOKENS: input_tokens + output_tokens,
+            Meter.TOKENS_INPUT: input_tokens,
+            Meter.TOKENS_OUTPUT: output_tokens,
+        }
+        self._settle(charges)
+
+    def release(self) -> None:
+        self._settle({})
+
+    def _settle(self, charges: dict) -> None:
+        if self._settled:
+            return
+        # Marked before the call: a retry after a lost reply must not drop a
+        # gauge twice (it would let one request too many through).
+        self._settled = True
+        keys, args = [], []
+        for held in self._held:
+            if held.meter == Meter.CONCURRENCY:
+                keys.append(held.key)
+                args += ["concurrency", 0, held.window_ms]
+            elif charges.get(held.meter, 0) > 0:
+                keys.append(held.key)
+                args += ["tokens", charges[held.meter], held.window_ms]
+        if keys:
+            client = get_redis()
+            _script(client, _SETTLE_LUA)(keys=keys, args=args, client=client)
+
+
+def _key(scope: str, rule) -> str:
+    if rule.meter == Meter.CONCURRENCY:
+        return f"relay:rl:{{{scope}}}:{rule.id}:{rule.meter}"
+    strategy = Strategy.SLIDING_WINDOW if rule.meter in TOKEN_METERS else rule.strategy
+    return f"relay:rl:{{{scope}}}:{rule.id}:{rule.meter}:{strategy}:{rule.window_seconds}"
+
+
+def _kind(meter: str) -> str:
+    if meter in TOKEN_METERS:
+        return "tokens"
+    return meter  # "requests" or "concurrency"
+
+
+def reserve(scope: str, rate_limit: RateLimit | None, *, subject: str) -> Reservation:
+    """Take one request's share of every rule of `rate_limit` under `scope`, or
+    raise `RateLimited`. `subject` names the limited party in the message."""
+    if rate_limit is None or not rate_limit.enabled:
+        return Reservation([])
+    # Read fresh every time: an operator may edit rules while traffic flows.
+    rules = list(rate_limit.rules.all())
+    if not rules:
+        return Reservation([])
+
+    keys, args = [], []
+    for rule in rules:
+        keys.append(_key(scope, rule))
+        args += [_kind(rule.meter), rule.amount, rule.window_seconds * 1000, rule.strategy]
+    client = get_redis()
+    result = _script(client, _RESERVE_LUA)(keys=keys, args=args, client=client)
+    if int(result[0]) == 0:
+        rule = rules[int(result[1]) - 1]
+        raise RateLimited(rule.meter, subject, max(1, math.ceil(int(result[2]) / 1000)))
+
+    return Reservation(
+        [
+            _Held(key, rule.meter, rule.window_seconds * 1000)
+            for key, rule in zip(keys, rules, strict=True)
+            if rule.meter != Meter.REQUESTS
+        ]
+    )
