@@ -180,11 +180,6 @@ class HostKey(models.Model):
             return value
         return crypto.decrypt(self.value_encrypted)
 
-    @property
-    def value_hash(self) -> str:
-        """Breakers are keyed by the value, so a rotated host key starts fresh."""
-        return crypto.sha256_hex(self.get_value())[:12]
-
 
 class RelayKey(models.Model):
     """A relay credential: `sk-wr-…`. Only sha256 and a display prefix are stored."""

@@ -1,6 +1,7 @@
 from django.contrib import admin
-from django.urls import path
+from django.urls import include, path
 
+from relay.api.inference import inference_urls
 from relay.api.views import ModelsView
 from relay.views import HealthView
 
@@ -11,4 +12,6 @@ urlpatterns = [
     path("healthz", HealthView.as_view(), name="healthz"),
     path("v1/models", ModelsView.as_view(), name="models"),
     path("admin/", admin.site.urls),
+    path("api/usage/", include("usage.urls")),
+    *inference_urls(),
 ]

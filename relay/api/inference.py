@@ -1,0 +1,57 @@
+"""Live (non-streaming) inference endpoints. Thin: authenticate, read, dispatch, record, answer."""
+
+import time
+
+import uuid6
+from django.conf import settings
+from django.http import HttpResponse
+from rest_framework.views import APIView
+
+from relay import pipeline
+from relay.auth import authenticate
+from relay.errors import RelayError
+from relay.http import parse_json_object, read_body
+from usage.services import record_event
+
+
+class InferenceView(APIView):
+    upstream_path = ""  # set per route: /v1/chat/completions, /v1/messages, …
+
+    def post(self, request, *args, **kwargs):
+        principal = authenticate(request)
+        body = parse_json_object(read_body(request._request, settings.RELAY_MAX_REQUEST_BYTES))
+        if body.get("stream") is True:
+            raise RelayError(
+                400, "streaming_unsupported", 'streaming is not supported yet: send the request without "stream": true'
+            )
+        request_id = str(uuid6.uuid7())
+        outcome = pipeline.dispatch(
+            pipeline.Call(
+                path=self.upstream_path,
+                body=body,
+                principal=principal,
+                source="live",
+                request_id=request_id,
+                deadline=time.monotonic() + settings.RELAY_UPSTREAM_DEADLINE,
+                inbound_headers=dict(request.headers),
+            )
+        )
+        record_event(**outcome.event)
+        response = HttpResponse(outcome.body, status=outcome.status, content_type="application/json")
+        for name, value in outcome.headers.items():
+            response[name] = str(value)
+        response["X-WR-Origin"] = outcome.origin
+        response["X-Relay-Request-ID"] = request_id
+        return response
+
+
+def inference_urls():
+    from django.urls import path
+
+    routes = []
+    for upstream_path in pipeline.adapters.PATH_ADAPTER:
+        view = InferenceView.as_view(upstream_path=upstream_path)
+        name = upstream_path.strip("/").replace("/", "-")
+        for prefix in ("", "openai/", "anthropic/"):
+            routes.append(path(prefix + upstream_path.lstrip("/"), view, name=f"{prefix}{name}"))
+    return routes

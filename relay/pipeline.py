@@ -1,0 +1,346 @@
+"""The pipeline: the one code path every upstream call takes, live or batch.
+
+resolve route → check grant → inbound rate limit → pick key → upstream tier
+limit → call → breaker bookkeeping → fail over → usage event fields.
+
+`dispatch()` never writes the usage event itself: a live request records it
+right away, a batch item records it in the same transaction that finishes the
+item (so it is written exactly once with the item's final state).
+"""
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from django.utils import timezone
+
+from policies import breaker, keypool, ratelimit
+from policies.breaker import Failure
+from relay import adapters, routing, upstream
+from relay.auth import Principal
+from relay.crypto import SecretUnavailable, sha256_hex
+from relay.errors import RelayError
+from relay.models import Project, Team
+from usage.pricing import cost_nano_usd
+from usage.tokens import Tokens, parse_usage
+
+MAX_KEY_ATTEMPTS = 3
+ERROR_BODY_LIMIT = 8 * 1024
+
+
+@dataclass
+class Call:
+    path: str  # upstream path, e.g. /v1/chat/completions
+    body: dict
+    principal: Principal
+    source: str  # "live" | "batch"
+    request_id: str
+    deadline: float  # time.monotonic() value
+    inbound_headers: dict = field(default_factory=dict)
+    cancel: Callable[[], bool] | None = None
+    batch_id: str = ""
+    # Batch shape gate: the binding's adapter must equal this (None for live).
+    required_adapter: str | None = None
+
+
+@dataclass
+class Outcome:
+    status: int
+    body: bytes
+    headers: dict
+    origin: str  # "relay" | "upstream"
+    error: RelayError | None
+    error_kind: str
+    event: dict  # fields for usage.services.record_event
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and 200 <= self.status < 300
+
+
+_RETRYABLE = {401: Failure.AUTH, 403: Failure.FORBIDDEN, 429: Failure.RATE_LIMITED}
+
+
+def dispatch(call: Call) -> Outcome:
+    started = time.monotonic()
+    ctx = {"attempts": 0, "route": None, "host_key": None}
+    try:
+        return _dispatch(call, ctx, started)
+    except RelayError as err:
+        kind = err.code or "relay_error"
+        return _finish(
+            call,
+            ctx,
+            started,
+            status=err.status,
+            body=json.dumps(err.body()).encode(),
+            headers=err.headers,
+            origin="relay",
+            error=err,
+            error_kind=kind,
+            event_status=0,
+        )
+
+
+def _dispatch(call: Call, ctx: dict, started: float) -> Outcome:
+    policy = routing.load_policy(call.principal.policy_id)
+    route = routing.resolve(policy, call.body.get("model"))
+    ctx["route"] = route
+    path = _check_shape(call, route)
+    body = dict(call.body, model=route.binding.upstream_name)
+    payload = json.dumps(body).encode()
+
+    try:
+        inbound = ratelimit.reserve(f"policy:{policy.id}", policy.rate_limit, subject=f"policy {policy.name}")
+    except ratelimit.RateLimited as exc:
+        raise RelayError(429, "rate_limit_exceeded", exc.message, headers={"Retry-After": exc.retry_after}) from exc
+
+    last_response: upstream.UpstreamResponse | None = None
+    last_error: upstream.UpstreamError | None = None
+    tried_any = False
+    try:
+        for cand in keypool.order(policy.id, policy.key_selection, _candidates(route.keys)):
+            if ctx["attempts"] >= MAX_KEY_ATTEMPTS:
+                break
+            key, key_value = cand.key, cand.value
+            if not breaker.try_acquire(cand.key_hash):
+                continue
+            try:
+                tier = ratelimit.reserve(f"hostkey:{key.id}", key.rate_limit, subject=f"host key {key.name}")
+            except ratelimit.RateLimited:
+                breaker.release_probe(cand.key_hash)
+                continue  # the key's own upstream tier is spent: try the next key
+            keypool.mark_used(policy.id, cand.key_hash)
+            tried_any = True
+            ctx["attempts"] += 1
+            ctx["host_key"] = key
+            try:
+                resp = upstream.call(
+                    adapters.upstream_url(route.host.base_url, path),
+                    adapters.upstream_headers(route.adapter, key_value, call.inbound_headers),
+                    payload,
+                    deadline=call.deadline,
+                    cancel=call.cancel,
+                )
+            except upstream.UpstreamError as exc:
+                tier.release()
+                last_error = exc
+                if exc.kind in ("timeout", "cancelled", "too_large"):
+                    breaker.release_probe(cand.key_hash)
+                    raise _upstream_error_to_relay(exc) from exc
+                breaker.record_failure(
+                    cand.key_hash, Failure.UNREACHABLE if exc.kind == "unreachable" else Failure.NETWORK
+                )
+                continue
+            last_response, last_error = resp, None
+            if 200 <= resp.status < 300:
+                breaker.record_success(cand.key_hash)
+                tokens = parse_usage(route.adapter, path, _json_or_empty(resp.body))
+                tier.commit(input_tokens=_input_side(tokens), output_tokens=tokens.output)
+                inbound.commit(input_tokens=_input_side(tokens), output_tokens=tokens.output)
+                return _finish(
+                    call,
+                    ctx,
+                    started,
+                    status=resp.status,
+                    body=resp.body,
+                    headers=_content_type(resp),
+                    origin="upstream",
+                    error=None,
+                    error_kind="",
+                    event_status=resp.status,
+                    tokens=tokens,
+                )
+            tier.release()
+            failure = _classify(resp.status)
+            if failure is None:
+                # 400/404/422…: the request is at fault, not the key; the key answered fine.
+                breaker.record_success(cand.key_hash)
+                break
+            breaker.record_failure(cand.key_hash, failure, _retry_after(resp))
+    finally:
+        inbound.release()  # no-op after a commit
+
+    if last_response is not None:
+        return _finish(
+            call,
+            ctx,
+            started,
+            status=last_response.status,
+            body=last_response.body[:ERROR_BODY_LIMIT]
+            if len(last_response.body) > ERROR_BODY_LIMIT
+            else last_response.body,
+            headers={
+                **_content_type(last_response),
+                "X-WR-Upstream-Status": last_response.status,
+                **_passthrough_retry(last_response),
+            },
+            origin="upstream",
+            error=None,
+            error_kind="upstream_error",
+            event_status=last_response.status,
+            error_message=f"upstream returned {last_response.status}",
+        )
+    if last_error is not None:
+        raise _upstream_error_to_relay(last_error)
+    if not tried_any:
+        raise RelayError(503, "no_keys", f"every host key of {route.host.name} is cooling down or rate limited")
+    raise RelayError(502, "upstream_unavailable", "no upstream answer")
+
+
+@dataclass
+class _Candidate:
+    key: object  # HostKey
+    value: str
+    key_hash: str  # breakers and LRU state are keyed by the value, so a rotated key starts fresh
+
+
+def _candidates(keys) -> list[_Candidate]:
+    out = []
+    for key in keys:
+        try:
+            value = key.get_value()
+        except SecretUnavailable:
+            continue  # a key whose secret cannot be read is skipped, never sent
+        out.append(_Candidate(key, value, sha256_hex(value)[:12]))
+    return out
+
+
+def _check_shape(call: Call, route: routing.Route) -> str:
+    """Return the upstream path, or refuse a request the binding's adapter cannot serve."""
+    adapter = route.adapter
+    if call.required_adapter is not None:
+        if adapter == call.required_adapter:
+            return call.path
+        # The spec's one exception: a Responses item routed to an `openai`
+        # binding on the `openai` host goes to Chat Completions and fails
+        # there with the upstream's own status.
+        if call.required_adapter == "openai_responses" and adapter == "openai" and route.host.name == "openai":
+            return "/v1/chat/completions"
+        raise RelayError(
+            400,
+            "cross_shape_dispatch",
+            f"cross-shape dispatch: {call.required_adapter} item routed to an {adapter} binding "
+            f"({route.model.name}@{route.host.name})",
+        )
+    expected = adapters.PATH_ADAPTER.get(call.path)
+    if expected == adapter:
+        return call.path
+    if call.path == "/v1/responses" and adapter == "openai" and route.host.name == "openai":
+        return call.path  # native Responses endpoint of OpenAI itself
+    raise RelayError(
+        400,
+        "cross_shape_dispatch",
+        f"model {route.model.name} is served by an {adapter} binding and cannot be called on {call.path}",
+    )
+
+
+def _classify(status: int) -> Failure | None:
+    if status in _RETRYABLE:
+        return _RETRYABLE[status]
+    if status >= 500:
+        return Failure.SERVER
+    return None
+
+
+def _retry_after(resp: upstream.UpstreamResponse) -> float | None:
+    value = {k.lower(): v for k, v in resp.headers.items()}.get("retry-after")
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+def _passthrough_retry(resp: upstream.UpstreamResponse) -> dict:
+    seconds = _retry_after(resp)
+    return {"Retry-After": max(1, int(seconds + 0.999))} if seconds is not None else {}
+
+
+def _content_type(resp: upstream.UpstreamResponse) -> dict:
+    ct = {k.lower(): v for k, v in resp.headers.items()}.get("content-type", "application/json")
+    return {"Content-Type": ct}
+
+
+def _json_or_empty(raw: bytes) -> dict:
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _input_side(tokens: Tokens) -> int:
+    return tokens.input + tokens.cache_read + tokens.cache_write
+
+
+def _upstream_error_to_relay(exc: upstream.UpstreamError) -> RelayError:
+    if exc.kind == "timeout":
+        return RelayError(504, "timeout", f"upstream call exceeded its deadline: {exc.message}")
+    if exc.kind == "cancelled":
+        return RelayError(499, "client_canceled", "cancelled")
+    if exc.kind == "unreachable":
+        return RelayError(502, "upstream_unreachable", exc.message[:300])
+    if exc.kind == "too_large":
+        return RelayError(502, "upstream_error", exc.message)
+    return RelayError(502, "upstream_error", exc.message[:300])
+
+
+def _finish(
+    call: Call,
+    ctx: dict,
+    started: float,
+    *,
+    status: int,
+    body: bytes,
+    headers: dict,
+    origin: str,
+    error: RelayError | None,
+    error_kind: str,
+    event_status: int,
+    tokens: Tokens | None = None,
+    error_message: str = "",
+) -> Outcome:
+    route: routing.Route | None = ctx["route"]
+    tokens = tokens or Tokens()
+    p = call.principal
+    key = ctx["host_key"]
+    event = {
+        "request_id": call.request_id,
+        "source": call.source,
+        "ts": timezone.now(),
+        "status": event_status,
+        "duration_ms": int((time.monotonic() - started) * 1000),
+        "attempts": ctx["attempts"],
+        "error_kind": error_kind,
+        "error_message": (error.message if error else error_message)[:500],
+        "credential_kind": p.credential_kind,
+        "credential_id": p.credential_id,
+        "principal_kind": p.principal_kind,
+        "principal_id": p.principal_id,
+        "project_id": p.project_id,
+        "team_id": p.team_id,
+        "policy_id": p.policy_id,
+        "project": _name(Project, p.project_id),
+        "team": _name(Team, p.team_id),
+        "policy": route.policy.name if route else "",
+        "model": route.model.name if route else str(call.body.get("model", ""))[:200],
+        "provider": route.model.provider if route else "",
+        "host": route.host.name if route else "",
+        "host_key_id": key.id if key else None,
+        "batch_id": call.batch_id,
+        "input_tokens": tokens.input,
+        "output_tokens": tokens.output,
+        "cache_read_tokens": tokens.cache_read,
+        "cache_write_tokens": tokens.cache_write,
+        "cost_nano_usd": cost_nano_usd(route.binding.pricing, tokens) if route and error is None else None,
+    }
+    return Outcome(
+        status=status, body=body, headers=headers, origin=origin, error=error, error_kind=error_kind, event=event
+    )
+
+
+def _name(model, pk) -> str:
+    if pk is None:
+        return ""
+    return model.objects.filter(pk=pk).values_list("name", flat=True).first() or ""

@@ -1,0 +1,66 @@
+"""Routing: a request's `model` → the policy's grants → an enabled binding → host, adapter, keys.
+
+Errors and their statuses follow the product (relay-product.md A6): 404
+`model_not_found`, 403 `no_policy` / `policy_disabled` / `model_not_allowed`,
+503 `no_host_binding` / `no_keys`.
+"""
+
+from dataclasses import dataclass
+
+from policies.models import Policy
+from relay.errors import RelayError
+from relay.grants import granted
+from relay.models import HostBinding, HostKey, LLMModel
+
+
+@dataclass
+class Route:
+    policy: Policy
+    model: LLMModel
+    binding: HostBinding
+    keys: list[HostKey]  # the policy's pool keys on the binding's host, in declared order
+
+    @property
+    def host(self):
+        return self.binding.host
+
+    @property
+    def adapter(self) -> str:
+        return self.binding.adapter
+
+
+class RoutingError(RelayError):
+    pass
+
+
+def load_policy(policy_id: int | None) -> Policy:
+    policy = Policy.objects.select_related("rate_limit").filter(pk=policy_id).first() if policy_id else None
+    if policy is None:
+        raise RoutingError(403, "no_policy", "no policy is bound to this principal")
+    return policy
+
+
+def resolve(policy: Policy, model_name) -> Route:
+    if not policy.enabled:
+        raise RoutingError(403, "policy_disabled", f"policy {policy.name} is disabled")
+    if not isinstance(model_name, str) or not model_name:
+        raise RelayError(400, "invalid_request", "the request body needs a 'model' string")
+    model = LLMModel.objects.filter(name=model_name).first()
+    if model is None:
+        raise RoutingError(404, "model_not_found", f"model {model_name} does not exist")
+    bindings = list(model.bindings.select_related("host", "pricing").order_by("id"))
+    if not bindings:
+        raise RoutingError(503, "no_host_binding", f"model {model_name} has no host binding")
+    allowed = [b for b in bindings if granted(policy.grants, model.provider, model.name, b.host.name)]
+    if not allowed:
+        raise RoutingError(403, "model_not_allowed", f"model {model_name} is not allowed by policy {policy.name}")
+    enabled = [b for b in allowed if b.enabled]
+    if not enabled:
+        raise RoutingError(503, "no_host_binding", f"model {model_name} has no enabled host binding")
+    pool = [k for k in policy.pool() if k.enabled]
+    # Prefer the first binding whose host has keys in the policy's pool.
+    for binding in enabled:
+        keys = [k for k in pool if k.host_id == binding.host_id]
+        if keys:
+            return Route(policy=policy, model=model, binding=binding, keys=keys)
+    raise RoutingError(503, "no_keys", f"policy {policy.name} has no enabled host key for {enabled[0].host.name}")

@@ -1,0 +1,34 @@
+"""Cost of an event in integer nano-USD (1 USD = 1e9 nano-USD), never floats.
+
+Rates are nano-USD per million tokens. Splitting the rate into a whole part
+and a remainder (`count*q + count*r // 1e6`) gives the exact floor of
+`count * rate / 1e6` for any size of count, and floors once per meter like the
+product. An unpriced event has cost None, not 0: a null rate charged for real
+tokens is unknown, and summaries count such events apart.
+"""
+
+from relay.models import Pricing
+from usage.tokens import Tokens
+
+PER_MILLION = 1_000_000
+
+
+def cost_nano_usd(pricing: "Pricing | None", tokens: Tokens) -> int | None:
+    if pricing is None:
+        return None
+    meters = (
+        (tokens.input, pricing.input_nanos_per_mtok),
+        (tokens.output, pricing.output_nanos_per_mtok),
+        (tokens.cache_read, pricing.cache_read_nanos_per_mtok),
+        (tokens.cache_write, pricing.cache_write_nanos_per_mtok),
+    )
+    total = 0
+    for count, rate in meters:
+        if count == 0:
+            # Nothing used on this meter: its rate, priced or not, does not matter.
+            continue
+        if rate is None:
+            return None
+        q, r = divmod(rate, PER_MILLION)
+        total += count * q + (count * r) // PER_MILLION
+    return total

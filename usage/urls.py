@@ -1,0 +1,10 @@
+"""Usage API routes, mounted at /api/usage/ by relay.urls."""
+
+from django.urls import path
+
+from usage.api.views import EventListView, SummaryView
+
+urlpatterns = [
+    path("events", EventListView.as_view(), name="usage-events"),
+    path("summary", SummaryView.as_view(), name="usage-summary"),
+]
