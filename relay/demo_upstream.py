@@ -28,6 +28,7 @@ class Reply:
     delay: float = 0.0  # seconds before answering
     drip_seconds: float = 0.0  # send the body one byte at a time over this long
     hang: bool = False  # accept and never answer (until the server stops)
+    gate: threading.Event | None = None  # hold the answer until the test opens the gate
 
 
 def _tokens(text: str) -> int:
@@ -212,6 +213,8 @@ class _Handler(BaseHTTPRequestHandler):
         if reply.hang:
             srv.stopping.wait(600)
             return
+        if reply.gate is not None:
+            reply.gate.wait(120)
         if reply.delay:
             srv.stopping.wait(reply.delay)
         if self.path not in KNOWN_PATHS and reply.body is None:

@@ -157,3 +157,24 @@ LOGGING = {
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "root": {"handlers": ["console"], "level": env.str("LOG_LEVEL", default="INFO")},
 }
+
+# --- Batches ---------------------------------------------------------------
+# `dir` (files under RELAY_BATCH_PAYLOAD_DIR; every replica must mount it) or
+# `db` (PostgreSQL rows that every replica sees).
+RELAY_BATCH_PAYLOAD_STORE = env.str("RELAY_BATCH_PAYLOAD_STORE", default="dir")
+if RELAY_BATCH_PAYLOAD_STORE not in ("dir", "db"):
+    raise ImproperlyConfigured("RELAY_BATCH_PAYLOAD_STORE must be 'dir' or 'db'")
+RELAY_BATCH_ITEM_DEADLINE_SECONDS = env.float("RELAY_BATCH_ITEM_DEADLINE_SECONDS", default=300.0)
+# A running item's lease; its heartbeat renews it every RELAY_BATCH_HEARTBEAT_SECONDS
+# and reads the batch's cancel flag at the same time.
+RELAY_BATCH_LEASE_SECONDS = env.int("RELAY_BATCH_LEASE_SECONDS", default=60)
+RELAY_BATCH_HEARTBEAT_SECONDS = env.float("RELAY_BATCH_HEARTBEAT_SECONDS", default=2.0)
+# How often the sweeper re-dispatches lost wake-ups and rescues expired leases.
+RELAY_BATCH_SWEEP_SECONDS = env.float("RELAY_BATCH_SWEEP_SECONDS", default=5.0)
+# Wake-up messages kept queued in Redis at most (a bounded window, not one per item).
+RELAY_BATCH_WAKEUP_WINDOW = env.int("RELAY_BATCH_WAKEUP_WINDOW", default=16)
+
+CELERY_TASK_ROUTES = {"batches.tasks.*": {"queue": "batch"}}
+CELERY_BEAT_SCHEDULE = {
+    "batch-sweeper": {"task": "batches.tasks.sweep", "schedule": RELAY_BATCH_SWEEP_SECONDS},
+}

@@ -13,5 +13,6 @@ urlpatterns = [
     path("v1/models", ModelsView.as_view(), name="models"),
     path("admin/", admin.site.urls),
     path("api/usage/", include("usage.urls")),
+    path("", include("batches.urls")),
     *inference_urls(),
 ]

@@ -1,0 +1,453 @@
+"""Batch writes: submit, claim, run, finish, heartbeat, cancel, sweep, wake-ups.
+
+Execution model (design.md §4): an item is a row; a worker *claims* it with a
+conditional UPDATE (FOR UPDATE SKIP LOCKED on PostgreSQL), runs it through the
+same pipeline as a live request, and finishes it with a write fenced on
+(state, lease owner, attempt), in the same transaction as its usage event.
+Celery messages carry no state: a wake-up only says "claim and run work".
+"""
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+
+import uuid6
+from django.conf import settings
+from django.db import connection, transaction
+from django.db.models import Count, F, Q
+from django.utils import timezone
+
+from batches import ingest, storage
+from batches.models import Batch, BatchStatus, Item, ItemState, Shape
+from policies.models import Policy
+from relay import auth, pipeline
+from relay.errors import AuthError, RelayError
+from usage.services import record_event
+
+log = logging.getLogger(__name__)
+
+ERROR_BODY_LIMIT = 8 * 1024
+HARD_BODY_CAP = 64 * 1024 * 1024
+SHAPE_PATH = {
+    Shape.OPENAI: "/v1/chat/completions",
+    Shape.OPENAI_RESPONSES: "/v1/responses",
+    Shape.ANTHROPIC: "/v1/messages",
+}
+
+
+def body_limit() -> int:
+    return min(settings.RELAY_MAX_REQUEST_BYTES, HARD_BODY_CAP)
+
+
+# --- submit -------------------------------------------------------------------
+
+
+def submit_native(principal: auth.Principal, raw_stream) -> Batch:
+    """Store every item and its batch in one transaction; wake workers after commit.
+
+    Bad input → RelayError(400) and nothing is stored (payload files are removed).
+    """
+    batch_id = uuid6.uuid7()
+    writer = storage.input_writer(str(batch_id))
+    max_items = settings.RELAY_BATCH_MAX_ITEMS
+    pending: list[Item] = []
+    seen = 0
+
+    def on_item(idx: int, obj) -> None:
+        nonlocal seen
+        seen += 1
+        if idx >= max_items:
+            return  # keep counting so the error can say how many were sent
+        pending.append(Item(id=uuid6.uuid7(), batch_id=batch_id, idx=idx, input_ref=writer.add(idx, ingest.dumps(obj))))
+        if len(pending) >= 2000:
+            Item.objects.bulk_create(pending)
+            pending.clear()
+
+    try:
+        with transaction.atomic():
+            top = ingest.parse(ingest.LimitedStream(raw_stream, body_limit()), on_item)
+            shape = top.get("shape")
+            if shape in (None, ""):
+                raise RelayError(400, "invalid_request", "shape is required")
+            if shape not in Shape.values:
+                raise RelayError(
+                    400, "invalid_request", f"unknown shape {shape!r}: use one of {', '.join(Shape.values)}"
+                )
+            if "requests" not in top:
+                raise RelayError(400, "invalid_request", "requests is required")
+            if not seen:
+                raise RelayError(400, "invalid_request", "requests must be non-empty")
+            if seen > max_items:
+                raise RelayError(
+                    400,
+                    "too_many_items",
+                    f"batch: too many items: {seen} items, at most {max_items} per batch (RELAY_BATCH_MAX_ITEMS)",
+                )
+            if pending:
+                Item.objects.bulk_create(pending)
+            writer.close()
+            batch = Batch.objects.create(
+                id=batch_id,
+                inbound_shape=shape,
+                total_items=seen,
+                owner_hash=principal.owner_hash,
+                policy_id=principal.policy_id,
+                project_id=principal.project_id,
+                team_id=principal.team_id,
+                principal_kind=principal.principal_kind,
+                principal_id=principal.principal_id,
+                credential_kind=principal.credential_kind,
+                credential_id=principal.credential_id,
+                principal=principal.as_dict(),
+            )
+            transaction.on_commit(top_up_wakeups)
+    except BaseException:
+        writer.discard()
+        raise
+    return batch
+
+
+# --- wake-ups -------------------------------------------------------------------
+
+
+def top_up_wakeups() -> int:
+    """Keep at most RELAY_BATCH_WAKEUP_WINDOW wake-ups queued while work is available.
+
+    Redis never holds one message per item: which item runs is decided at
+    claim time. A lost wake-up only costs latency until the next sweep.
+    """
+    from batches import tasks
+    from relay.redis import get_redis
+
+    if not Item.objects.filter(state=ItemState.AVAILABLE).exists():
+        return 0
+    try:
+        queued = get_redis().llen("batch") if settings.CELERY_BROKER_URL.startswith("redis") else 0
+    except Exception:  # the broker is down: the sweeper will try again
+        log.warning("could not read the batch queue length", exc_info=True)
+        return 0
+    missing = max(0, settings.RELAY_BATCH_WAKEUP_WINDOW - queued)
+    for _ in range(missing):
+        tasks.run_items.apply_async(queue="batch")
+    return missing
+
+
+# --- claim -------------------------------------------------------------------------
+
+
+def worker_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{threading.get_ident()}"
+
+
+def claim(owner: str) -> Item | None:
+    """Claim the next item, fairly: the active batch with the fewest running items first."""
+    running = dict(
+        Item.objects.filter(state=ItemState.RUNNING).values_list("batch_id").annotate(n=Count("id")).order_by()
+    )
+    active = list(
+        Batch.objects.filter(status__in=[BatchStatus.QUEUED, BatchStatus.RUNNING]).values_list("id", "created_at")
+    )
+    active.sort(key=lambda b: (running.get(b[0], 0), b[1]))
+    for batch_id, _ in active[:20]:
+        item = _claim_in_batch(batch_id, owner)
+        if item is not None:
+            return item
+    return None
+
+
+def _claim_in_batch(batch_id, owner: str) -> Item | None:
+    lease = timezone.now() + timezone.timedelta(seconds=settings.RELAY_BATCH_LEASE_SECONDS)
+    now = timezone.now()
+    with transaction.atomic():
+        qs = Item.objects.filter(batch_id=batch_id, state=ItemState.AVAILABLE).order_by("idx")
+        if connection.vendor == "postgresql":
+            qs = qs.select_for_update(skip_locked=True)
+        item = qs.first()
+        if item is None:
+            return None
+        # Conditional: zero rows means someone else has it (SQLite has no SKIP LOCKED).
+        updated = Item.objects.filter(pk=item.pk, state=ItemState.AVAILABLE).update(
+            state=ItemState.RUNNING,
+            attempt=item.attempt + 1,
+            lease_owner=owner,
+            lease_expires_at=lease,
+            started_at=now,
+        )
+        if not updated:
+            return None
+        Batch.objects.filter(pk=batch_id, status=BatchStatus.QUEUED).update(status=BatchStatus.RUNNING)
+    item.state, item.attempt, item.lease_owner, item.lease_expires_at = (
+        ItemState.RUNNING,
+        item.attempt + 1,
+        owner,
+        lease,
+    )
+    return item
+
+
+# --- run ----------------------------------------------------------------------------
+
+
+class Heartbeat:
+    """Renews the item's lease and reads the batch's cancel flag every few seconds.
+
+    Cancel goes through the database, so a cancel received by any replica
+    reaches the item wherever it runs. Losing the lease (the sweeper gave the
+    item to someone else) stops the call too.
+    """
+
+    def __init__(self, item: Item):
+        self.item = item
+        self.stop_reason: str | None = None
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"heartbeat-{item.pk}", daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stopped.set()
+        self._thread.join(timeout=5)
+
+    def should_stop(self) -> bool:
+        return self.stop_reason is not None
+
+    def beat(self) -> None:
+        lease = timezone.now() + timezone.timedelta(seconds=settings.RELAY_BATCH_LEASE_SECONDS)
+        renewed = Item.objects.filter(
+            pk=self.item.pk, state=ItemState.RUNNING, lease_owner=self.item.lease_owner, attempt=self.item.attempt
+        ).update(lease_expires_at=lease)
+        if not renewed:
+            self.stop_reason = "lease_lost"
+        elif Batch.objects.filter(pk=self.item.batch_id, cancel_requested_at__isnull=False).exists():
+            self.stop_reason = "cancelled"
+
+    def _run(self):
+        from django.db import close_old_connections
+
+        try:
+            while not self._stopped.wait(settings.RELAY_BATCH_HEARTBEAT_SECONDS):
+                try:
+                    self.beat()
+                except Exception:  # a failed beat is retried; the lease has slack
+                    log.warning("heartbeat failed for item %s", self.item.pk, exc_info=True)
+                if self.stop_reason:
+                    return
+        finally:
+            close_old_connections()
+            connection.close()
+
+
+def run_item(item: Item) -> None:
+    """Run one claimed item to a final state. Never raises for item-level failures."""
+    started = time.monotonic()
+    batch = Batch.objects.get(pk=item.batch_id)
+    principal = auth.Principal.from_dict(batch.principal)
+    deadline = started + settings.RELAY_BATCH_ITEM_DEADLINE_SECONDS
+    with Heartbeat(item) as hb:
+        outcome, failure = _execute(batch, item, principal, deadline, hb)
+    if hb.stop_reason == "lease_lost":
+        log.warning("item %s lost its lease; dropping this attempt's result", item.pk)
+        return
+    if hb.stop_reason == "cancelled" and (failure or (outcome and not outcome.ok)):
+        _finish(item, ItemState.CANCELLED, error="batch: cancelled", outcome=outcome)
+        return
+    if failure is not None:
+        _finish(item, ItemState.DISCARDED, error=failure, outcome=outcome)
+        return
+    if outcome.ok:
+        ref = storage.write_result(str(batch.id), str(item.pk), outcome.body)
+        _finish(item, ItemState.COMPLETED, outcome=outcome, result_ref=ref)
+        return
+    error_body = outcome.body[:ERROR_BODY_LIMIT].decode("utf-8", errors="replace")
+    if outcome.origin == "upstream":
+        message = f"batch item: upstream status {outcome.status}"
+    else:
+        message = f"batch item: {outcome.error.message}" if outcome.error else "batch item: failed"
+        error_body = ""
+    _finish(item, ItemState.DISCARDED, error=message, outcome=outcome, error_body=error_body)
+
+
+def _execute(batch: Batch, item: Item, principal, deadline: float, hb: Heartbeat):
+    """Return (pipeline outcome or None, failure message or None)."""
+    try:
+        auth.recheck(principal)
+    except AuthError as exc:
+        return None, f"batch: credential no longer valid: {exc.message}"
+    except RelayError as exc:
+        return None, f"batch: credential no longer valid: {exc.message}"
+    policy = Policy.objects.filter(pk=batch.policy_id).first() if batch.policy_id else None
+    if policy is None or not policy.enabled:
+        return None, "batch: policy_unavailable"
+    try:
+        body = json.loads(storage.read(item.input_ref))
+    except storage.PayloadMissing as exc:
+        return None, f"batch: load input: {exc}"
+    except ValueError as exc:
+        return None, f"batch: load input: stored item is not JSON: {exc}"
+    if not isinstance(body, dict):
+        return None, "batch: parse model: item is not a JSON object"
+    if body.get("stream") is True:
+        return None, "batch: stream is not supported in batch items; the response is stored whole (unset stream)"
+    outcome = pipeline.dispatch(
+        pipeline.Call(
+            path=SHAPE_PATH[batch.inbound_shape],
+            body=body,
+            principal=principal,
+            source="batch",
+            request_id=str(item.pk),
+            deadline=deadline,
+            cancel=hb.should_stop,
+            batch_id=str(batch.id),
+            required_adapter=batch.inbound_shape,
+        )
+    )
+    if outcome.error is not None and outcome.error.code == "timeout":
+        limit = settings.RELAY_BATCH_ITEM_DEADLINE_SECONDS
+        return outcome, f"batch: item ran longer than {limit:g} seconds"
+    return outcome, None
+
+
+def _finish(
+    item: Item, state: str, *, error: str = "", outcome=None, result_ref: str = "", error_body: str = ""
+) -> bool:
+    """Fenced final write + usage event in one transaction. False: the lease was lost."""
+    with transaction.atomic():
+        updated = Item.objects.filter(
+            pk=item.pk, state=ItemState.RUNNING, lease_owner=item.lease_owner, attempt=item.attempt
+        ).update(
+            state=state,
+            finished_at=timezone.now(),
+            lease_expires_at=None,
+            result_ref=result_ref,
+            status_code=outcome.status if outcome is not None and outcome.origin == "upstream" else None,
+            error=error[:1000],
+            error_body=error_body,
+        )
+        if not updated:
+            return False
+        if outcome is not None:
+            event = dict(outcome.event)
+            if error and not event.get("error_kind"):
+                event["error_kind"] = "batch_item_failed"
+            record_event(**event)
+        else:
+            record_event(**_event_without_dispatch(item, error))
+        _maybe_complete(item.batch_id)
+    return True
+
+
+def _event_without_dispatch(item: Item, error: str) -> dict:
+    """The usage event of an item that failed before reaching the pipeline."""
+    batch = Batch.objects.get(pk=item.batch_id)
+    p = batch.principal
+    kind = (
+        "credential_invalid" if "credential" in error else "policy_unavailable" if "policy" in error else "invalid_item"
+    )
+    return {
+        "request_id": str(item.pk),
+        "source": "batch",
+        "status": 0,
+        "error_kind": kind,
+        "error_message": error[:500],
+        "credential_kind": p["credential_kind"],
+        "credential_id": p["credential_id"],
+        "principal_kind": p["principal_kind"],
+        "principal_id": p["principal_id"],
+        "project_id": p["project_id"],
+        "team_id": p["team_id"],
+        "policy_id": p["policy_id"],
+        "batch_id": str(batch.id),
+    }
+
+
+def _maybe_complete(batch_id) -> None:
+    """Stamp the batch once every item is final (completed, or cancelled if it was cancelled)."""
+    if Item.objects.filter(batch_id=batch_id, state__in=[ItemState.AVAILABLE, ItemState.RUNNING]).exists():
+        return
+    now = timezone.now()
+    Batch.objects.filter(pk=batch_id, completed_at__isnull=True, status=BatchStatus.CANCELLED).update(completed_at=now)
+    Batch.objects.filter(pk=batch_id, completed_at__isnull=True).exclude(status=BatchStatus.CANCELLED).update(
+        status=BatchStatus.COMPLETED, completed_at=now
+    )
+
+
+# --- cancel -----------------------------------------------------------------------
+
+
+def cancel(batch: Batch) -> None:
+    """Pending items become cancelled now; running ones stop at their next heartbeat, on every replica."""
+    now = timezone.now()
+    with transaction.atomic():
+        Batch.objects.filter(pk=batch.pk, cancel_requested_at__isnull=True).update(cancel_requested_at=now)
+        Batch.objects.filter(pk=batch.pk).exclude(status=BatchStatus.COMPLETED).update(status=BatchStatus.CANCELLED)
+        Item.objects.filter(batch_id=batch.pk, state=ItemState.AVAILABLE).update(
+            state=ItemState.CANCELLED, finished_at=now, error="batch: cancelled"
+        )
+        _maybe_complete(batch.pk)
+
+
+# --- sweeper -----------------------------------------------------------------------
+
+
+def sweep() -> dict:
+    """Rescue expired leases, then top up wake-ups. Idempotent; any replica may run it."""
+    now = timezone.now()
+    expired = Item.objects.filter(state=ItemState.RUNNING, lease_expires_at__lt=now)
+    retry = expired.filter(attempt__lt=F("max_attempts"))
+    rescued = retry.update(state=ItemState.AVAILABLE, lease_owner="", lease_expires_at=None)
+    exhausted_ids = list(
+        Item.objects.filter(state=ItemState.RUNNING, lease_expires_at__lt=now).values_list("id", "batch_id")
+    )
+    for item_id, batch_id in exhausted_ids:
+        with transaction.atomic():
+            done = Item.objects.filter(pk=item_id, state=ItemState.RUNNING, lease_expires_at__lt=now).update(
+                state=ItemState.DISCARDED,
+                finished_at=now,
+                lease_owner="",
+                lease_expires_at=None,
+                error="batch: worker lost the item on every attempt",
+            )
+            if done:
+                record_event(**_event_without_dispatch(Item(pk=item_id, batch_id=batch_id), "batch: worker lost"))
+                _maybe_complete(batch_id)
+    # Cancelled batches whose running items died: nothing will finish them but us.
+    Item.objects.filter(state=ItemState.AVAILABLE, batch__cancel_requested_at__isnull=False).update(
+        state=ItemState.CANCELLED, finished_at=now, error="batch: cancelled"
+    )
+    for batch_id in (
+        Batch.objects.filter(completed_at__isnull=True, status__in=[BatchStatus.CANCELLED, BatchStatus.RUNNING])
+        .filter(~Q(items__state__in=[ItemState.AVAILABLE, ItemState.RUNNING]))
+        .values_list("id", flat=True)
+        .distinct()
+    ):
+        _maybe_complete(batch_id)
+    woken = top_up_wakeups()
+    return {"rescued": rescued, "discarded": len(exhausted_ids), "woken": woken}
+
+
+# --- the worker loop ------------------------------------------------------------------
+
+
+def drain(max_items: int = 50, max_seconds: float = 120.0) -> int:
+    """Claim and run items until none is claimable or the budget is used; then hand over.
+
+    One Celery task runs this loop in one of the worker's 8 slots. When the
+    budget ends with work left, it queues a wake-up so the slot is reused
+    without waiting for the sweeper.
+    """
+    owner = f"{worker_id()}:{uuid.uuid4().hex[:8]}"
+    started, done = time.monotonic(), 0
+    while done < max_items and time.monotonic() - started < max_seconds:
+        item = claim(owner)
+        if item is None:
+            return done
+        run_item(item)
+        done += 1
+    top_up_wakeups()
+    return done
