@@ -39,3 +39,29 @@ def fake(upstream):
 def catalog(db, fake):
     """A small catalog on the fake upstream, with a service-account key."""
     return factories.make_catalog(fake.url)
+
+
+def _retrying_fixture_teardown():
+    """Transactional tests end with TRUNCATE while a real worker process may still
+    be polling (claim, heartbeat, sweep). TRUNCATE's lock order can deadlock with
+    such a transaction, and PostgreSQL then aborts the TRUNCATE; retry it."""
+    import time
+
+    from django.core.management.base import CommandError
+    from django.test.testcases import TransactionTestCase
+
+    original = TransactionTestCase._fixture_teardown
+
+    def teardown(self):
+        for attempt in range(5):
+            try:
+                return original(self)
+            except CommandError:
+                if attempt == 4:
+                    raise
+                time.sleep(0.5)
+
+    TransactionTestCase._fixture_teardown = teardown
+
+
+_retrying_fixture_teardown()
