@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+from relay.processes import worker_argv
+
 BASE_DIR = Path(__file__).resolve().parent.parent
 STATE_DIR = BASE_DIR / ".relay-embedded"
 
@@ -152,25 +154,7 @@ def main() -> None:
             "-",
         ],
     )
-    spawn(
-        "batch worker",
-        [
-            py,
-            "-m",
-            "celery",
-            "-A",
-            "relay",
-            "worker",
-            "-Q",
-            "batch,default",
-            "-c",
-            "8",
-            "--loglevel",
-            "INFO",
-            "-n",
-            "embedded@%h",
-        ],
-    )
+    spawn("batch worker", worker_argv(py, "embedded"))
     spawn(
         "periodic jobs",
         [

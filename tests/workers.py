@@ -14,6 +14,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from relay.processes import worker_argv
+
 ROOT = Path(__file__).resolve().parent.parent
 
 TEST_BATCH_ENV = {
@@ -35,28 +37,9 @@ class Worker:
         self.name = name
         self.schedule = tempfile.mkdtemp(prefix="relay-beat-")
         env = dict(os.environ, DATABASE_URL=db_url, **TEST_BATCH_ENV, **(extra_env or {}))
-        args = [
-            sys.executable,
-            "-m",
-            "celery",
-            "-A",
-            "relay",
-            "worker",
-            "-Q",
-            "batch,default",
-            "-c",
-            "8",
-            "-P",
-            "prefork",
-            "--loglevel",
-            "WARNING",
-            "-n",
-            f"{name}@%h",
-            "--without-gossip",
-            "--without-mingle",
-        ]
-        if beat:
-            args += ["-B", "-s", os.path.join(self.schedule, "beat")]
+        beat = os.path.join(self.schedule, "beat") if beat else None
+        args = worker_argv(sys.executable, name, loglevel="WARNING", beat_schedule=beat)
+        args += ["--without-gossip", "--without-mingle"]
         self.log = open(os.path.join(self.schedule, "worker.log"), "w+b")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             args, env=env, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
