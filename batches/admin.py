@@ -1,13 +1,20 @@
-"""Operator view of batches: progress, items with their request/response, cancel."""
+"""Operator view of batches: progress, items with their request/response, cancel.
 
+OpenAI-surface batches show their own fields too: the batch_… id, endpoint,
+input/output/error files (linked), metadata, validation errors, and each
+item's custom_id. Files of that surface have their own read-only pages.
+"""
+
+import contextlib
 import json
 
 from django.contrib import admin
 from django.db.models import Count, Q
+from django.urls import reverse
 from django.utils.html import format_html
 
-from batches import services, storage
-from batches.models import Batch, Item, ItemState
+from batches import selectors, services, storage
+from batches.models import Batch, File, Item, ItemState, Surface
 
 _PREVIEW_BYTES = 4096
 
@@ -30,9 +37,32 @@ def _preview(ref: str) -> str:
     return format_html("<pre style='white-space:pre-wrap;max-width:80em'>{}</pre>", text)
 
 
+def _pretty(value) -> str:
+    if value in (None, "", [], {}):
+        return "—"
+    return format_html(
+        "<pre style='white-space:pre-wrap;max-width:80em'>{}</pre>", json.dumps(value, indent=2, ensure_ascii=False)
+    )
+
+
+def _file_link(file_id) -> str:
+    if file_id is None:
+        return "—"
+    label = f"file-{file_id.hex}"
+    if not File.objects.filter(pk=file_id).exists():
+        return f"{label} (deleted)"
+    return format_html('<a href="{}">{}</a>', reverse("admin:batches_file_change", args=[file_id]), label)
+
+
+def _search_public_id(queryset, search_term, prefix):
+    """Let the operator paste the id a client sees (batch_… / file-…)."""
+    pk = selectors.parse_public_id(search_term.strip(), prefix)
+    return queryset.filter(pk=pk) if pk is not None else None
+
+
 class ItemInline(admin.TabularInline):
     model = Item
-    fields = ("idx", "state", "attempt", "status_code", "error", "started_at", "finished_at")
+    fields = ("idx", "custom_id", "state", "attempt", "status_code", "error_code", "error", "started_at", "finished_at")
     readonly_fields = fields
     extra = 0
     can_delete = False
@@ -54,13 +84,89 @@ class ItemInline(admin.TabularInline):
 
 @admin.register(Batch)
 class BatchAdmin(admin.ModelAdmin):
-    list_display = ("id", "owner", "inbound_shape", "status", "progress", "total_items", "created_at", "completed_at")
-    list_filter = ("status", "inbound_shape", "principal_kind", "created_at")
-    search_fields = ("id", "owner_hash", "credential_id")
+    list_display = (
+        "shown_id",
+        "surface",
+        "owner",
+        "inbound_shape",
+        "endpoint",
+        "status",
+        "progress",
+        "total_items",
+        "created_at",
+        "completed_at",
+    )
+    list_filter = ("surface", "status", "inbound_shape", "endpoint", "principal_kind", "created_at")
+    search_fields = ("id", "owner_hash", "credential_id", "idempotency_key")
     date_hierarchy = "created_at"
-    readonly_fields = [f.name for f in Batch._meta.fields] + ["progress", "items_link"]
+    _openai_fields = (
+        "shown_id",
+        "endpoint",
+        "completion_window",
+        "model",
+        "input_file",
+        "output_file",
+        "error_file",
+        "metadata_view",
+        "errors_view",
+        "expires_at",
+        "in_progress_at",
+        "finalizing_at",
+        "failed_at",
+        "expired_at",
+        "cancelling_at",
+        "cancelled_at",
+        "discount_percent",
+        "idempotency_key",
+    )
+    readonly_fields = [f.name for f in Batch._meta.fields] + [
+        "progress",
+        "items_link",
+        "shown_id",
+        "input_file",
+        "output_file",
+        "error_file",
+        "metadata_view",
+        "errors_view",
+    ]
     inlines = [ItemInline]
     actions = ["cancel_batches"]
+
+    def get_fieldsets(self, request, obj=None):
+        common = (
+            "id",
+            "surface",
+            "inbound_shape",
+            "status",
+            "progress",
+            "items_link",
+            "total_items",
+            "created_at",
+            "completed_at",
+            "cancel_requested_at",
+        )
+        owner = (
+            "owner_hash",
+            "policy_id",
+            "project_id",
+            "team_id",
+            "principal_kind",
+            "principal_id",
+            "credential_kind",
+            "credential_id",
+            "principal",
+        )
+        sets = [(None, {"fields": common})]
+        if obj is not None and obj.surface == Surface.OPENAI:
+            sets.append(("OpenAI-compatible batch", {"fields": self._openai_fields}))
+        sets.append(("Owner", {"fields": owner}))
+        return sets
+
+    def get_search_results(self, request, queryset, search_term):
+        found = _search_public_id(queryset, search_term, "batch_")
+        if found is not None:
+            return found, False
+        return super().get_search_results(request, queryset, search_term)
 
     def get_queryset(self, request):
         return (
@@ -89,6 +195,30 @@ class BatchAdmin(admin.ModelAdmin):
     def progress(self, obj):
         return f"{obj.n_completed} / {obj.n_discarded} / {obj.n_cancelled} / {obj.n_running} / {obj.n_available}"
 
+    @admin.display(description="id", ordering="id")
+    def shown_id(self, obj):
+        return obj.public_id
+
+    @admin.display(description="input file")
+    def input_file(self, obj):
+        return _file_link(obj.input_file_id)
+
+    @admin.display(description="output file")
+    def output_file(self, obj):
+        return _file_link(obj.output_file_id)
+
+    @admin.display(description="error file")
+    def error_file(self, obj):
+        return _file_link(obj.error_file_id)
+
+    @admin.display(description="metadata")
+    def metadata_view(self, obj):
+        return _pretty(obj.metadata)
+
+    @admin.display(description="validation errors")
+    def errors_view(self, obj):
+        return _pretty(obj.errors)
+
     @admin.display(description="all items")
     def items_link(self, obj):
         return format_html('<a href="../../item/?batch__id__exact={}">browse all {} items</a>', obj.pk, obj.total_items)
@@ -102,15 +232,16 @@ class BatchAdmin(admin.ModelAdmin):
 
 @admin.register(Item)
 class ItemAdmin(admin.ModelAdmin):
-    list_display = ("batch", "idx", "state", "attempt", "status_code", "error", "finished_at")
+    list_display = ("batch", "idx", "custom_id", "state", "attempt", "status_code", "error", "finished_at")
     list_filter = ("state",)
-    search_fields = ("id", "batch__id", "error")
+    search_fields = ("id", "batch__id", "custom_id", "error")
     list_select_related = ("batch",)
     show_full_result_count = False
     fields = (
         "id",
         "batch",
         "idx",
+        "custom_id",
         "state",
         "attempt",
         "max_attempts",
@@ -119,6 +250,7 @@ class ItemAdmin(admin.ModelAdmin):
         "started_at",
         "finished_at",
         "status_code",
+        "error_code",
         "error",
         "request",
         "response",
@@ -143,3 +275,75 @@ class ItemAdmin(admin.ModelAdmin):
     @admin.display(description="upstream error body")
     def upstream_error_body(self, obj):
         return format_html("<pre style='white-space:pre-wrap'>{}</pre>", obj.error_body) if obj.error_body else ""
+
+
+@admin.register(File)
+class FileAdmin(admin.ModelAdmin):
+    """Files of the OpenAI surface: uploads (purpose batch) and the output/error files batches write."""
+
+    list_display = ("shown_id", "purpose", "filename", "bytes", "owner", "batch_link", "created_at")
+    list_filter = ("purpose", "created_at")
+    search_fields = ("id", "filename", "owner_hash", "credential_id")
+    date_hierarchy = "created_at"
+    show_full_result_count = False
+    fields = (
+        "shown_id",
+        "purpose",
+        "filename",
+        "bytes",
+        "created_at",
+        "batch_link",
+        "owner_hash",
+        "credential_kind",
+        "credential_id",
+        "principal_kind",
+        "principal_id",
+        "project_id",
+        "ref",
+        "content",
+    )
+    readonly_fields = fields
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        # Owners delete through DELETE /v1/files/{id}, which also removes the stored bytes.
+        return False
+
+    def get_search_results(self, request, queryset, search_term):
+        found = _search_public_id(queryset, search_term, "file-")
+        if found is not None:
+            return found, False
+        return super().get_search_results(request, queryset, search_term)
+
+    @admin.display(description="id", ordering="id")
+    def shown_id(self, obj):
+        return obj.public_id
+
+    @admin.display(description="owner")
+    def owner(self, obj):
+        return f"{obj.principal_kind}:{obj.principal_id} via {obj.credential_kind} {obj.credential_id}"
+
+    @admin.display(description="batch")
+    def batch_link(self, obj):
+        if obj.batch_id is None:
+            return "—"
+        return format_html(
+            '<a href="{}">batch_{}</a>', reverse("admin:batches_batch_change", args=[obj.batch_id]), obj.batch_id.hex
+        )
+
+    @admin.display(description="content (first 4 KiB)")
+    def content(self, obj):
+        try:
+            with contextlib.closing(storage.iter_file(obj.ref, chunk_size=_PREVIEW_BYTES)) as chunks:
+                head = next(chunks, b"")[:_PREVIEW_BYTES]
+        except storage.PayloadMissing as exc:
+            return f"(missing: {exc})"
+        text = head.decode("utf-8", errors="replace")
+        if obj.bytes > len(head):
+            text += f"\n… ({obj.bytes} bytes in all)"
+        return format_html("<pre style='white-space:pre-wrap;max-width:80em'>{}</pre>", text)

@@ -4,9 +4,17 @@ The body is read as a stream (never through DRF's parser) and parsed with
 ijson: each element of `requests` is built, handed to the caller and dropped,
 so a 50,000-item, 32 MiB body never sits in memory as one document. Top-level
 keys other than `requests` are small and returned whole.
+
+Both batch surfaces share one POST URL and are told apart by the top-level
+keys, which may come after `requests` in the body. `read_submission` therefore
+parses the body once and spools each element (as compact JSON, one per line) to
+a temporary file; the surface is picked afterwards and reads the spool back.
 """
 
+import hashlib
 import json
+import tempfile
+from collections.abc import Iterator
 
 import ijson
 
@@ -22,12 +30,14 @@ class LimitedStream:
         self.raw = raw
         self.limit = limit
         self.seen = 0
+        self.sha256 = hashlib.sha256()  # of the exact bytes read: idempotent create compares bodies
 
     def read(self, n: int = -1) -> bytes:
         chunk = self.raw.read(64 * 1024 if n is None or n < 0 else n)
         self.seen += len(chunk)
         if self.seen > self.limit:
             raise RelayError(400, "request_too_large", f"request body exceeds {self.limit} bytes")
+        self.sha256.update(chunk)
         return chunk
 
 
@@ -86,3 +96,59 @@ def parse(stream, on_item) -> dict:
 
 def dumps(obj) -> bytes:
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+# Spooled elements stay in memory up to this size, then go to a temporary file.
+_SPOOL_MEMORY = 4 * 1024 * 1024
+
+
+class Submission:
+    """A parsed POST /v1/batches body: the top-level keys, and the `requests` elements spooled in order.
+
+    `count` is the number of elements sent; only the first `keep` are spooled,
+    so an oversized batch can still be refused with its real size. Use as a
+    context manager: the spool is deleted on exit.
+    """
+
+    def __init__(self, top: dict, count: int, spool, sha256: str):
+        self.top = top
+        self.count = count
+        self.sha256 = sha256
+        self._spool = spool
+
+    def elements(self) -> Iterator[bytes]:
+        """Each spooled element as compact JSON bytes (no newline inside), in order."""
+        self._spool.seek(0)
+        for line in self._spool:
+            yield line[:-1]
+
+    def close(self) -> None:
+        self._spool.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def read_submission(raw_stream, limit: int, keep: int) -> Submission:
+    """Parse the body once, as a stream; RelayError(400) on malformed JSON or an oversized body."""
+    spool = tempfile.SpooledTemporaryFile(max_size=_SPOOL_MEMORY)  # noqa: SIM115 - Submission closes it
+    count = 0
+
+    def on_item(idx: int, obj) -> None:
+        nonlocal count
+        count += 1
+        if idx < keep:
+            # dumps() escapes newlines inside strings, so one element is one line.
+            spool.write(dumps(obj))
+            spool.write(b"\n")
+
+    stream = LimitedStream(raw_stream, limit)
+    try:
+        top = parse(stream, on_item)
+    except BaseException:
+        spool.close()
+        raise
+    return Submission(top, count, spool, stream.sha256.hexdigest())

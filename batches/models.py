@@ -10,6 +10,22 @@ Item state machine (explicit, enforced by a CHECK constraint):
 does). A running item holds a lease (`lease_owner`, `lease_expires_at`)
 renewed by its heartbeat; finishing writes are fenced on (state, lease owner,
 attempt) so a zombie cannot overwrite an item the sweeper rescued.
+
+Two surfaces share these rows (design.md §2): the Relay-native one (spec 000)
+and the OpenAI-compatible one (spec 003). They differ only in how a batch is
+created and shown, so `Batch.surface` picks the status vocabulary and the
+OpenAI-only columns; execution (claim, run, finish, cancel, sweep) is one path.
+
+OpenAI batch lifecycle (explicit, enforced by CHECK constraints; each status
+has its timestamp):
+
+    validating ──▶ in_progress ──▶ finalizing ──▶ completed
+        │              │               ▲    └──▶ expired   (window closed: expired_at is set)
+        │              └─window closed─┘
+        ├──▶ failed                          (the input did not validate: `errors`)
+        └──────────────┴──▶ cancelling ──▶ cancelled   (partial results are still written)
+
+Finalizing (and cancelling) ends by writing the output and error files.
 """
 
 from django.db import models
@@ -17,11 +33,61 @@ from django.db.models import Q
 from django.utils import timezone
 
 
+class Surface(models.TextChoices):
+    NATIVE = "native"  # spec 000: {"shape", "requests"}; id shown as the UUID
+    OPENAI = "openai"  # spec 003: files + batch objects; id shown as batch_<uuid hex>
+
+
 class BatchStatus(models.TextChoices):
+    # Relay-native (spec 000) statuses.
     QUEUED = "queued"
     RUNNING = "running"
+    # Shared by both surfaces.
     COMPLETED = "completed"
     CANCELLED = "cancelled"
+    # OpenAI-compatible (spec 003) statuses.
+    VALIDATING = "validating"
+    IN_PROGRESS = "in_progress"
+    FINALIZING = "finalizing"
+    FAILED = "failed"
+    EXPIRED = "expired"
+    CANCELLING = "cancelling"
+
+
+NATIVE_STATUSES = (BatchStatus.QUEUED, BatchStatus.RUNNING, BatchStatus.COMPLETED, BatchStatus.CANCELLED)
+OPENAI_STATUSES = (
+    BatchStatus.VALIDATING,
+    BatchStatus.IN_PROGRESS,
+    BatchStatus.FINALIZING,
+    BatchStatus.COMPLETED,
+    BatchStatus.FAILED,
+    BatchStatus.EXPIRED,
+    BatchStatus.CANCELLING,
+    BatchStatus.CANCELLED,
+)
+# Batches whose available items a worker may claim. A validating OpenAI batch
+# has no items yet; a cancelling or finalizing one starts no new work.
+CLAIMABLE_STATUSES = (BatchStatus.QUEUED, BatchStatus.RUNNING, BatchStatus.IN_PROGRESS)
+# The OpenAI statuses in which a batch still has (or will have) work to do.
+OPENAI_OPEN_STATUSES = (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS)
+# Each OpenAI status and the timestamp that must be set while a batch is in it.
+OPENAI_STATUS_STAMP = {
+    BatchStatus.IN_PROGRESS: "in_progress_at",
+    BatchStatus.FINALIZING: "finalizing_at",
+    BatchStatus.COMPLETED: "completed_at",
+    BatchStatus.FAILED: "failed_at",
+    BatchStatus.EXPIRED: "expired_at",
+    BatchStatus.CANCELLING: "cancelling_at",
+    BatchStatus.CANCELLED: "cancelled_at",
+}
+
+
+class Endpoint(models.TextChoices):
+    """The API families an OpenAI-surface batch may call (spec 003)."""
+
+    CHAT_COMPLETIONS = "/v1/chat/completions", "/v1/chat/completions"
+    COMPLETIONS = "/v1/completions", "/v1/completions"
+    EMBEDDINGS = "/v1/embeddings", "/v1/embeddings"
 
 
 class Shape(models.TextChoices):
@@ -63,19 +129,89 @@ class Batch(models.Model):
     # The whole principal, so each item can re-check the credential when it runs.
     principal = models.JSONField()
 
+    surface = models.CharField(max_length=8, choices=Surface.choices, default=Surface.NATIVE)
+
+    # --- OpenAI surface (spec 003); blank/null on native batches ---
+    endpoint = models.CharField(max_length=32, blank=True, default="", choices=Endpoint.choices)
+    completion_window = models.CharField(max_length=8, blank=True, default="")
+    model = models.CharField(max_length=200, blank=True, default="")  # the hint, then the records' model
+    metadata = models.JSONField(null=True, blank=True)
+    errors = models.JSONField(null=True, blank=True)  # OpenAI `errors.data` when validation failed
+    # Plain ids, not foreign keys: a file may be deleted while the batch keeps
+    # naming it, as on OpenAI (the batch object always shows input_file_id).
+    input_file_id = models.UUIDField(null=True, blank=True)
+    output_file_id = models.UUIDField(null=True, blank=True)
+    error_file_id = models.UUIDField(null=True, blank=True)
+    expires_at = models.DateTimeField(null=True, blank=True)
+    in_progress_at = models.DateTimeField(null=True, blank=True)
+    finalizing_at = models.DateTimeField(null=True, blank=True)
+    failed_at = models.DateTimeField(null=True, blank=True)
+    expired_at = models.DateTimeField(null=True, blank=True)
+    cancelling_at = models.DateTimeField(null=True, blank=True)
+    cancelled_at = models.DateTimeField(null=True, blank=True)
+    # Fixed at submit, so a settings change never reprices a running batch.
+    discount_percent = models.PositiveSmallIntegerField(default=0)
+    # Idempotent create: the caller's Idempotency-Key and the sha256 of the body it came with.
+    idempotency_key = models.CharField(max_length=255, blank=True, default="")
+    request_sha256 = models.CharField(max_length=64, blank=True, default="")
+
     class Meta:
         verbose_name_plural = "batches"
         indexes = [
             models.Index(fields=["owner_hash", "-created_at"], name="batch_owner_created"),
-            models.Index(fields=["status"], name="batch_active", condition=Q(status__in=["queued", "running"])),
+            models.Index(fields=["status"], name="batch_active", condition=Q(status__in=CLAIMABLE_STATUSES)),
+            # GET /v1/batches: the owner's OpenAI batches, newest first (UUIDv7 ids are time-ordered).
+            models.Index(fields=["owner_hash", "-id"], name="batch_openai_owner", condition=Q(surface="openai")),
+            # The sweeper's look-ups: open OpenAI batches (expiry, lost messages).
+            models.Index(
+                fields=["status", "expires_at"],
+                name="batch_openai_open",
+                condition=Q(surface="openai") & ~Q(status__in=["completed", "failed", "expired", "cancelled"]),
+            ),
         ]
         constraints = [
             models.CheckConstraint(condition=Q(status__in=[s.value for s in BatchStatus]), name="batch_status_valid"),
             models.CheckConstraint(condition=Q(inbound_shape__in=[s.value for s in Shape]), name="batch_shape_valid"),
+            models.CheckConstraint(condition=Q(surface__in=[s.value for s in Surface]), name="batch_surface_valid"),
+            # Each surface speaks its own status vocabulary.
+            models.CheckConstraint(
+                condition=Q(surface=Surface.NATIVE, status__in=[s.value for s in NATIVE_STATUSES])
+                | Q(surface=Surface.OPENAI, status__in=[s.value for s in OPENAI_STATUSES]),
+                name="batch_status_of_surface",
+            ),
+            # An OpenAI batch always has its endpoint, window, input file and expiry.
+            models.CheckConstraint(
+                condition=~Q(surface=Surface.OPENAI)
+                | (
+                    Q(endpoint__in=[e.value for e in Endpoint], completion_window="24h")
+                    & Q(input_file_id__isnull=False, expires_at__isnull=False)
+                ),
+                name="batch_openai_complete",
+            ),
+            # An OpenAI status is stamped: in `expired` expired_at is set, and so on.
+            *[
+                models.CheckConstraint(
+                    condition=~Q(surface=Surface.OPENAI, status=status) | Q(**{f"{stamp}__isnull": False}),
+                    name=f"batch_openai_{status.value}_stamped",
+                )
+                for status, stamp in OPENAI_STATUS_STAMP.items()
+            ],
+            models.CheckConstraint(condition=Q(discount_percent__lte=100), name="batch_discount_percent_range"),
+            # Idempotent create: one batch per (owner, key).
+            models.UniqueConstraint(
+                fields=["owner_hash", "idempotency_key"],
+                condition=~Q(idempotency_key=""),
+                name="uniq_batch_idempotency_key",
+            ),
         ]
 
     def __str__(self):
-        return str(self.id)
+        return self.public_id
+
+    @property
+    def public_id(self) -> str:
+        """The id the batch's surface shows: the UUID (native) or batch_<uuid hex> (OpenAI)."""
+        return f"batch_{self.id.hex}" if self.surface == Surface.OPENAI else str(self.id)
 
 
 class Item(models.Model):
@@ -94,10 +230,18 @@ class Item(models.Model):
     status_code = models.PositiveSmallIntegerField(null=True, blank=True)  # the upstream's, when it answered
     error = models.CharField(max_length=1000, blank=True, default="")
     error_body = models.TextField(blank=True, default="")  # the upstream's error body, at most 8 KiB
+    # OpenAI surface: the record's custom_id, and the code of a failure decided
+    # before dispatch (validation's record-level failures, expiry).
+    custom_id = models.CharField(max_length=512, blank=True, default="")
+    error_code = models.CharField(max_length=64, blank=True, default="")
 
     class Meta:
         constraints = [
             models.UniqueConstraint(fields=["batch", "idx"], name="uniq_item_idx"),
+            # "custom_id must be unique in the batch" (native items have none).
+            models.UniqueConstraint(
+                fields=["batch", "custom_id"], condition=~Q(custom_id=""), name="uniq_item_custom_id"
+            ),
             models.CheckConstraint(condition=Q(state__in=[s.value for s in ItemState]), name="item_state_valid"),
             models.CheckConstraint(
                 condition=Q(state__in=[s.value for s in FINAL_STATES], finished_at__isnull=False)
@@ -120,6 +264,48 @@ class Item(models.Model):
 
     def __str__(self):
         return f"{self.batch_id}#{self.idx}"
+
+
+class FilePurpose(models.TextChoices):
+    BATCH = "batch"  # uploaded input (or a batch's inline `requests`)
+    BATCH_OUTPUT = "batch_output"  # output and error files the relay writes
+
+
+class File(models.Model):
+    """A file of the OpenAI-compatible Files API; its bytes live in the payload store."""
+
+    id = models.UUIDField(primary_key=True)  # UUIDv7, shown as file-<uuid hex>
+    owner_hash = models.CharField(max_length=100)  # same ownership rule as batches
+    credential_kind = models.CharField(max_length=16)
+    credential_id = models.CharField(max_length=64)
+    principal_kind = models.CharField(max_length=16)
+    principal_id = models.BigIntegerField()
+    project_id = models.BigIntegerField(null=True, blank=True)
+    purpose = models.CharField(max_length=16, choices=FilePurpose.choices)
+    filename = models.CharField(max_length=255)
+    bytes = models.BigIntegerField()
+    created_at = models.DateTimeField(default=timezone.now)
+    ref = models.CharField(max_length=300)  # storage ref (batches/storage.py)
+    # The batch that wrote it: its output/error files, or the input file made from inline `requests`.
+    batch_id = models.UUIDField(null=True, blank=True)
+
+    class Meta:
+        indexes = [models.Index(fields=["owner_hash", "-id"], name="file_owner_id")]
+        constraints = [
+            models.CheckConstraint(condition=Q(purpose__in=[p.value for p in FilePurpose]), name="file_purpose_valid"),
+            models.CheckConstraint(condition=Q(bytes__gte=0), name="file_bytes_not_negative"),
+            models.CheckConstraint(
+                condition=~Q(purpose=FilePurpose.BATCH_OUTPUT) | Q(batch_id__isnull=False),
+                name="file_output_has_batch",
+            ),
+        ]
+
+    def __str__(self):
+        return self.public_id
+
+    @property
+    def public_id(self) -> str:
+        return f"file-{self.id.hex}"
 
 
 class Payload(models.Model):

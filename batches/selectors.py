@@ -1,21 +1,30 @@
-"""Batch reads: ownership, progress and results (streamed)."""
+"""Batch reads: ownership, progress and results (streamed); the OpenAI surface's batches and files."""
 
 import json
+import re
+import uuid
 from collections.abc import Iterator
 
-from django.db.models import Count
+from django.db.models import Count, Sum
+from django.db.models.functions import Coalesce
 
 from batches import storage
-from batches.models import Batch, Item, ItemState
+from batches.errors import invalid, not_found
+from batches.models import Batch, File, FilePurpose, Item, ItemState, Surface
 from relay.auth import Principal
 from relay.errors import RelayError
+from usage.models import UsageEvent
 
 
 def batch_for_owner(batch_id: str, principal: Principal) -> Batch:
-    """The batch if this caller submitted it; 404 otherwise, so existence is not leaked."""
+    """The native batch if this caller submitted it; 404 otherwise, so existence is not leaked.
+
+    Ids belong to a surface: a native batch is addressed by its UUID, an
+    OpenAI-surface batch only by its batch_<hex> id (openai_batch_for_owner).
+    """
     batch = None
     try:
-        batch = Batch.objects.filter(pk=batch_id, owner_hash=principal.owner_hash).first()
+        batch = Batch.objects.filter(pk=batch_id, owner_hash=principal.owner_hash, surface=Surface.NATIVE).first()
     except Exception:  # a malformed id is simply not found
         batch = None
     if batch is None:
@@ -96,3 +105,149 @@ def _error_body_json(text: str) -> bytes:
 
 def _iso(dt):
     return dt.isoformat().replace("+00:00", "Z") if dt else None
+
+
+# --- the OpenAI surface -------------------------------------------------------------------
+
+_PUBLIC_ID = re.compile(r"^(batch_|file-)([0-9a-f]{32})$")
+
+
+def parse_public_id(value: str, prefix: str) -> uuid.UUID | None:
+    """batch_<hex> / file-<hex> → the row's UUID; None for anything else."""
+    match = _PUBLIC_ID.match(value or "")
+    if match is None or match.group(1) != prefix:
+        return None
+    return uuid.UUID(hex=match.group(2))
+
+
+def is_openai_batch_id(value: str) -> bool:
+    """Whether an id is in the OpenAI surface's form (well-formed or not): it is answered in that surface's shape."""
+    return value.startswith("batch_")
+
+
+def openai_batch_for_owner(public_id: str, principal: Principal) -> Batch:
+    pk = parse_public_id(public_id, "batch_")
+    batch = (
+        Batch.objects.filter(pk=pk, owner_hash=principal.owner_hash, surface=Surface.OPENAI).first()
+        if pk is not None
+        else None
+    )
+    if batch is None:
+        raise not_found(f"No batch found with id '{public_id}'.")
+    return batch
+
+
+def _page_params(after: str | None, limit_raw: str | None, *, prefix: str, default: int, maximum: int):
+    if limit_raw in (None, ""):
+        limit = default
+    else:
+        try:
+            limit = int(limit_raw)
+        except ValueError:
+            raise invalid(
+                f"Invalid 'limit': expected an integer, but got {limit_raw!r} instead.",
+                param="limit",
+                code="invalid_type",
+            ) from None
+        if limit < 1:
+            raise invalid(
+                f"Invalid 'limit': integer below minimum value. Expected a value >= 1, but got {limit} instead.",
+                param="limit",
+                code="integer_below_min_value",
+            )
+        if limit > maximum:
+            raise invalid(
+                f"Invalid 'limit': integer above maximum value. Expected a value <= {maximum}, "
+                f"but got {limit} instead.",
+                param="limit",
+                code="integer_above_max_value",
+            )
+    cursor = None
+    if after:
+        cursor = parse_public_id(after, prefix)
+        if cursor is None:
+            raise invalid(f"Invalid 'after': {after!r} is not a {prefix}… id.", param="after")
+    return cursor, limit
+
+
+def openai_batches_page(principal: Principal, after: str | None, limit: str | None) -> tuple[list[Batch], bool]:
+    """The owner's OpenAI batches, newest first, after the cursor: (page, has_more).
+
+    Ids are UUIDv7, so id order is creation order and `after` is a keyset
+    cursor: a page is one index range scan however many batches there are.
+    """
+    cursor, n = _page_params(after, limit, prefix="batch_", default=20, maximum=100)
+    qs = Batch.objects.filter(owner_hash=principal.owner_hash, surface=Surface.OPENAI).order_by("-id")
+    if cursor is not None:
+        qs = qs.filter(id__lt=cursor)
+    rows = list(qs[: n + 1])
+    return rows[:n], len(rows) > n
+
+
+def request_counts(batch: Batch) -> dict:
+    """OpenAI's {total, completed, failed}: cancelled and expired records count as failed."""
+    states = counts(batch)
+    return {
+        "total": batch.total_items,
+        "completed": states.get(ItemState.COMPLETED, 0),
+        "failed": states.get(ItemState.DISCARDED, 0) + states.get(ItemState.CANCELLED, 0),
+    }
+
+
+def usage(batch: Batch) -> dict | None:
+    """Token and cost totals of the batch's usage events; None before any item has one.
+
+    cost_nano_usd is what the caller pays: each event's discounted price
+    (billed_cost_nano_usd), or its cost where no discount applies. Unpriced
+    events add tokens but no cost.
+    """
+    totals = UsageEvent.objects.filter(batch_id=str(batch.id)).aggregate(
+        n=Count("id"),
+        input=Coalesce(Sum("input_tokens"), 0),
+        cache_read=Coalesce(Sum("cache_read_tokens"), 0),
+        cache_write=Coalesce(Sum("cache_write_tokens"), 0),
+        output=Coalesce(Sum("output_tokens"), 0),
+        cost=Coalesce(Sum(Coalesce("billed_cost_nano_usd", "cost_nano_usd")), 0),
+    )
+    if not totals["n"]:
+        return None
+    # OpenAI's input_tokens include cached ones (cached_tokens is a detail of it).
+    input_tokens = totals["input"] + totals["cache_read"] + totals["cache_write"]
+    return {
+        "input_tokens": input_tokens,
+        "output_tokens": totals["output"],
+        "total_tokens": input_tokens + totals["output"],
+        "input_tokens_details": {"cached_tokens": totals["cache_read"]},
+        # Reasoning tokens are counted inside output_tokens; the relay does not meter them apart.
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "cost_nano_usd": totals["cost"],
+    }
+
+
+def file_for_owner(public_id: str, principal: Principal) -> File:
+    pk = parse_public_id(public_id, "file-")
+    file = File.objects.filter(pk=pk, owner_hash=principal.owner_hash).first() if pk is not None else None
+    if file is None:
+        raise not_found(f"No such File object: {public_id}")
+    return file
+
+
+def files_page(principal: Principal, params) -> tuple[list[File], bool]:
+    """GET /v1/files: `after`, `limit` (1–10,000, default 10,000), `order` (asc|desc, default desc), `purpose`."""
+    cursor, n = _page_params(params.get("after"), params.get("limit"), prefix="file-", default=10_000, maximum=10_000)
+    order = params.get("order") or "desc"
+    if order not in ("asc", "desc"):
+        raise invalid(f"Invalid value for 'order': {order!r}. Use 'asc' or 'desc'.", param="order")
+    qs = File.objects.filter(owner_hash=principal.owner_hash)
+    purpose = params.get("purpose")
+    if purpose:
+        if purpose not in FilePurpose.values:
+            raise invalid(
+                f"Invalid value for 'purpose': {purpose!r}. Use one of {', '.join(FilePurpose.values)}.",
+                param="purpose",
+            )
+        qs = qs.filter(purpose=purpose)
+    if cursor is not None:
+        qs = qs.filter(id__lt=cursor) if order == "desc" else qs.filter(id__gt=cursor)
+    rows = list(qs.order_by("-id" if order == "desc" else "id")[: n + 1])
+    return rows[:n], len(rows) > n

@@ -22,7 +22,7 @@ from django.db.models import Count, F, Q
 from django.utils import timezone
 
 from batches import ingest, storage
-from batches.models import Batch, BatchStatus, Item, ItemState, Shape
+from batches.models import CLAIMABLE_STATUSES, Batch, BatchStatus, Item, ItemState, Shape, Surface
 from policies.models import Policy
 from relay import auth, pipeline
 from relay.errors import AuthError, RelayError
@@ -47,46 +47,44 @@ def body_limit() -> int:
 
 
 def submit_native(principal: auth.Principal, raw_stream) -> Batch:
+    """Parse a native body from a stream and store it (POST /v1/batches parses in batches.intake instead)."""
+    with ingest.read_submission(raw_stream, body_limit(), settings.RELAY_BATCH_MAX_ITEMS) as submission:
+        return store_native(principal, submission)
+
+
+def store_native(principal: auth.Principal, submission: ingest.Submission) -> Batch:
     """Store every item and its batch in one transaction; wake workers after commit.
 
-    Bad input → RelayError(400) and nothing is stored (payload files are removed).
+    The body was parsed once, as a stream (ingest.read_submission); its items
+    come back from the spool. Bad input → RelayError(400) and nothing is stored.
     """
+    top, seen = submission.top, submission.count
+    max_items = settings.RELAY_BATCH_MAX_ITEMS
+    shape = top.get("shape")
+    if shape in (None, ""):
+        raise RelayError(400, "invalid_request", "shape is required")
+    if shape not in Shape.values:
+        raise RelayError(400, "invalid_request", f"unknown shape {shape!r}: use one of {', '.join(Shape.values)}")
+    if "requests" not in top:
+        raise RelayError(400, "invalid_request", "requests is required")
+    if not seen:
+        raise RelayError(400, "invalid_request", "requests must be non-empty")
+    if seen > max_items:
+        raise RelayError(
+            400,
+            "too_many_items",
+            f"batch: too many items: {seen} items, at most {max_items} per batch (RELAY_BATCH_MAX_ITEMS)",
+        )
     batch_id = uuid6.uuid7()
     writer = storage.input_writer(str(batch_id))
-    max_items = settings.RELAY_BATCH_MAX_ITEMS
-    pending: list[Item] = []
-    seen = 0
-
-    def on_item(idx: int, obj) -> None:
-        nonlocal seen
-        seen += 1
-        if idx >= max_items:
-            return  # keep counting so the error can say how many were sent
-        pending.append(Item(id=uuid6.uuid7(), batch_id=batch_id, idx=idx, input_ref=writer.add(idx, ingest.dumps(obj))))
-        if len(pending) >= 2000:
-            Item.objects.bulk_create(pending)
-            pending.clear()
-
     try:
         with transaction.atomic():
-            top = ingest.parse(ingest.LimitedStream(raw_stream, body_limit()), on_item)
-            shape = top.get("shape")
-            if shape in (None, ""):
-                raise RelayError(400, "invalid_request", "shape is required")
-            if shape not in Shape.values:
-                raise RelayError(
-                    400, "invalid_request", f"unknown shape {shape!r}: use one of {', '.join(Shape.values)}"
-                )
-            if "requests" not in top:
-                raise RelayError(400, "invalid_request", "requests is required")
-            if not seen:
-                raise RelayError(400, "invalid_request", "requests must be non-empty")
-            if seen > max_items:
-                raise RelayError(
-                    400,
-                    "too_many_items",
-                    f"batch: too many items: {seen} items, at most {max_items} per batch (RELAY_BATCH_MAX_ITEMS)",
-                )
+            pending: list[Item] = []
+            for idx, data in enumerate(submission.elements()):
+                pending.append(Item(id=uuid6.uuid7(), batch_id=batch_id, idx=idx, input_ref=writer.add(idx, data)))
+                if len(pending) >= 2000:
+                    Item.objects.bulk_create(pending)
+                    pending.clear()
             if pending:
                 Item.objects.bulk_create(pending)
             writer.close()
@@ -148,9 +146,7 @@ def claim(owner: str) -> Item | None:
     running = dict(
         Item.objects.filter(state=ItemState.RUNNING).values_list("batch_id").annotate(n=Count("id")).order_by()
     )
-    active = list(
-        Batch.objects.filter(status__in=[BatchStatus.QUEUED, BatchStatus.RUNNING]).values_list("id", "created_at")
-    )
+    active = list(Batch.objects.filter(status__in=CLAIMABLE_STATUSES).values_list("id", "created_at"))
     active.sort(key=lambda b: (running.get(b[0], 0), b[1]))
     for batch_id, _ in active[:20]:
         item = _claim_in_batch(batch_id, owner)
@@ -197,22 +193,21 @@ class Heartbeat:
 
     Cancel goes through the database, so a cancel received by any replica
     reaches the item wherever it runs. Losing the lease (the sweeper gave the
-    item to someone else) stops the call too.
+    item to someone else) stops the call too. The beats come from one thread
+    per worker process (`_Beater`) with one long-lived database connection,
+    not a thread and a fresh connection per item.
     """
 
     def __init__(self, item: Item):
         self.item = item
         self.stop_reason: str | None = None
-        self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"heartbeat-{item.pk}", daemon=True)
 
     def __enter__(self):
-        self._thread.start()
+        _beater().register(self)
         return self
 
     def __exit__(self, *exc):
-        self._stopped.set()
-        self._thread.join(timeout=5)
+        _beater().unregister(self)
 
     def should_stop(self) -> bool:
         return self.stop_reason is not None
@@ -227,20 +222,52 @@ class Heartbeat:
         elif Batch.objects.filter(pk=self.item.batch_id, cancel_requested_at__isnull=False).exists():
             self.stop_reason = "cancelled"
 
-    def _run(self):
-        from django.db import close_old_connections
 
-        try:
-            while not self._stopped.wait(settings.RELAY_BATCH_HEARTBEAT_SECONDS):
+class _Beater:
+    """The process's heartbeat thread: beats every registered item each interval."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.beats: set[Heartbeat] = set()
+        self.pid = os.getpid()
+        threading.Thread(target=self._run, name="batch-heartbeat", daemon=True).start()
+
+    def register(self, hb: Heartbeat) -> None:
+        with self.lock:
+            self.beats.add(hb)
+
+    def unregister(self, hb: Heartbeat) -> None:
+        with self.lock:
+            self.beats.discard(hb)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(settings.RELAY_BATCH_HEARTBEAT_SECONDS)
+            with self.lock:
+                current = [hb for hb in self.beats if not hb.should_stop()]
+            if not current:
+                # Idle: give the connection back rather than hold it between items.
+                connection.close()
+                continue
+            for hb in current:
                 try:
-                    self.beat()
-                except Exception:  # a failed beat is retried; the lease has slack
-                    log.warning("heartbeat failed for item %s", self.item.pk, exc_info=True)
-                if self.stop_reason:
-                    return
-        finally:
-            close_old_connections()
-            connection.close()
+                    hb.beat()
+                except Exception:  # a failed beat is retried next interval; the lease has slack
+                    log.warning("heartbeat failed for item %s", hb.item.pk, exc_info=True)
+                    connection.close_if_unusable_or_obsolete()
+
+
+_beater_instance: _Beater | None = None
+_beater_lock = threading.Lock()
+
+
+def _beater() -> _Beater:
+    """One per process; a prefork child gets its own (threads do not survive fork)."""
+    global _beater_instance
+    with _beater_lock:
+        if _beater_instance is None or _beater_instance.pid != os.getpid():
+            _beater_instance = _Beater()
+        return _beater_instance
 
 
 def run_item(item: Item) -> None:
@@ -294,9 +321,13 @@ def _execute(batch: Batch, item: Item, principal, deadline: float, hb: Heartbeat
         return None, "batch: parse model: item is not a JSON object"
     if body.get("stream") is True:
         return None, "batch: stream is not supported in batch items; the response is stored whole (unset stream)"
+    if batch.surface == Surface.OPENAI:
+        from batches import openai_batches
+
+        body = openai_batches.upstream_body(body)
     outcome = pipeline.dispatch(
         pipeline.Call(
-            path=SHAPE_PATH[batch.inbound_shape],
+            path=batch.endpoint or SHAPE_PATH[batch.inbound_shape],  # an OpenAI batch calls its endpoint
             body=body,
             principal=principal,
             source="batch",
@@ -335,7 +366,9 @@ def _finish(
             event = dict(outcome.event)
             if error and not event.get("error_kind"):
                 event["error_kind"] = "batch_item_failed"
-            record_event(**event)
+            from batches import openai_batches
+
+            record_event(**openai_batches.with_batch_price(item.batch_id, event))
         else:
             record_event(**_event_without_dispatch(item, error))
         _maybe_complete(item.batch_id)
@@ -370,6 +403,10 @@ def _maybe_complete(batch_id) -> None:
     """Stamp the batch once every item is final (completed, or cancelled if it was cancelled)."""
     if Item.objects.filter(batch_id=batch_id, state__in=[ItemState.AVAILABLE, ItemState.RUNNING]).exists():
         return
+    from batches import openai_batches
+
+    if openai_batches.items_done(batch_id):  # an OpenAI batch finalizes into output/error files
+        return
     now = timezone.now()
     Batch.objects.filter(pk=batch_id, completed_at__isnull=True, status=BatchStatus.CANCELLED).update(completed_at=now)
     Batch.objects.filter(pk=batch_id, completed_at__isnull=True).exclude(status=BatchStatus.CANCELLED).update(
@@ -382,6 +419,11 @@ def _maybe_complete(batch_id) -> None:
 
 def cancel(batch: Batch) -> None:
     """Pending items become cancelled now; running ones stop at their next heartbeat, on every replica."""
+    if batch.surface == Surface.OPENAI:
+        from batches import openai_batches
+
+        openai_batches.cancel(batch)  # cancelling → cancelled, with its results written
+        return
     now = timezone.now()
     with transaction.atomic():
         Batch.objects.filter(pk=batch.pk, cancel_requested_at__isnull=True).update(cancel_requested_at=now)
@@ -421,12 +463,17 @@ def sweep() -> dict:
         state=ItemState.CANCELLED, finished_at=now, error="batch: cancelled"
     )
     for batch_id in (
-        Batch.objects.filter(completed_at__isnull=True, status__in=[BatchStatus.CANCELLED, BatchStatus.RUNNING])
+        Batch.objects.filter(
+            surface=Surface.NATIVE, completed_at__isnull=True, status__in=[BatchStatus.CANCELLED, BatchStatus.RUNNING]
+        )
         .filter(~Q(items__state__in=[ItemState.AVAILABLE, ItemState.RUNNING]))
         .values_list("id", flat=True)
         .distinct()
     ):
         _maybe_complete(batch_id)
+    from batches import openai_batches
+
+    openai_batches.sweep()  # expiry, and OpenAI batches whose validate/finalize message was lost
     woken = top_up_wakeups()
     return {"rescued": rescued, "discarded": len(exhausted_ids), "woken": woken}
 

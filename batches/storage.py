@@ -7,13 +7,19 @@
 - `db`: rows in PostgreSQL (`Payload`), which every replica sees: the choice for
   several replicas without a shared volume.
 
-A ref names its backend (`file:…`, `db:…`), so items written under one setting
+Files of the OpenAI surface (uploads, output and error files) go through the
+same two backends, written and read as streams so a 200 MB file never sits in
+memory: `dir` keeps one file under `files/`; `db` keeps 1 MiB chunk rows
+(`files/<id>/<n>`, ref scheme `dbfile:`).
+
+A ref names its backend (`file:…`, `db:…`, `dbfile:…`), so items written under one setting
 stay readable after the setting changes. A missing payload raises
 PayloadMissing, which fails the item with `load input` — never silently.
 """
 
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 from django.conf import settings
@@ -134,3 +140,146 @@ def read(ref: str) -> bytes:
 def delete_batch(batch_id: str) -> None:
     Payload.objects.filter(key__startswith=f"{batch_id}/").delete()
     shutil.rmtree(_root() / batch_id, ignore_errors=True)
+
+
+# --- files (OpenAI surface) -----------------------------------------------------------
+
+FILE_CHUNK = 1024 * 1024
+
+
+class FileTooLarge(Exception):
+    pass
+
+
+class _DirFileWriter:
+    """Appends to `files/<id>.part`; close() makes it durable and renames it into place."""
+
+    def __init__(self, root: Path, file_id: str, limit: int | None):
+        self.dir = root / "files"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.name = file_id
+        self.tmp = self.dir / f"{file_id}.part"
+        self.fh = open(self.tmp, "wb")  # noqa: SIM115 - closed in close()/discard()
+        self.size = 0
+        self.limit = limit
+
+    def write(self, data: bytes) -> None:
+        self.size += len(data)
+        if self.limit is not None and self.size > self.limit:
+            raise FileTooLarge(self.limit)
+        self.fh.write(data)
+
+    def close(self) -> str:
+        self.fh.flush()
+        os.fsync(self.fh.fileno())
+        self.fh.close()
+        os.replace(self.tmp, self.dir / self.name)
+        return f"file:files/{self.name}"
+
+    def discard(self) -> None:
+        self.fh.close()
+        for path in (self.tmp, self.dir / self.name):
+            path.unlink(missing_ok=True)
+
+
+class _DbFileWriter:
+    """Buffers at most one chunk and inserts full chunks as they fill."""
+
+    def __init__(self, file_id: str, limit: int | None):
+        self.prefix = f"files/{file_id}/"
+        self.buf = bytearray()
+        self.n = 0
+        self.size = 0
+        self.limit = limit
+
+    def write(self, data: bytes) -> None:
+        self.size += len(data)
+        if self.limit is not None and self.size > self.limit:
+            raise FileTooLarge(self.limit)
+        self.buf += data
+        while len(self.buf) >= FILE_CHUNK:
+            self._put(bytes(self.buf[:FILE_CHUNK]))
+            del self.buf[:FILE_CHUNK]
+
+    def _put(self, chunk: bytes) -> None:
+        Payload.objects.create(key=f"{self.prefix}{self.n:08d}", data=chunk)
+        self.n += 1
+
+    def close(self) -> str:
+        if self.buf or self.n == 0:
+            self._put(bytes(self.buf))
+            self.buf = bytearray()
+        return f"dbfile:{self.prefix.rstrip('/')}"
+
+    def discard(self) -> None:
+        self.buf = bytearray()
+        Payload.objects.filter(key__startswith=self.prefix).delete()
+
+
+def file_writer(file_id: str, limit: int | None = None):
+    """A writer with write(bytes), close() → ref, discard(), and `size`; FileTooLarge past `limit` bytes."""
+    if backend() == "db":
+        return _DbFileWriter(file_id, limit)
+    return _DirFileWriter(_root(), file_id, limit)
+
+
+def iter_file(ref: str, chunk_size: int = FILE_CHUNK) -> Iterator[bytes]:
+    """The file's bytes in chunks, in constant memory."""
+    scheme, _, rest = ref.partition(":")
+    if scheme == "dbfile":
+        keys = list(Payload.objects.filter(key__startswith=rest + "/").order_by("key").values_list("key", flat=True))
+        if not keys:
+            raise PayloadMissing(f"file {ref} not found in the database store")
+        for key in keys:
+            data = Payload.objects.filter(key=key).values_list("data", flat=True).first()
+            if data is None:
+                raise PayloadMissing(f"file {ref} was deleted while it was read")
+            yield bytes(data)
+        return
+    if scheme == "file":
+        try:
+            fh = open(_root() / rest, "rb")  # noqa: SIM115 - closed below, also when the consumer stops early
+        except OSError as exc:
+            raise PayloadMissing(
+                f"file {rest} not found under {_root()} (is RELAY_BATCH_PAYLOAD_DIR shared by every replica?)"
+            ) from exc
+        with fh:
+            while chunk := fh.read(chunk_size):
+                yield chunk
+        return
+    raise PayloadMissing(f"unknown file ref {ref!r}")
+
+
+class LineTooLong(Exception):
+    def __init__(self, line: int, limit: int):
+        super().__init__(f"line {line} is longer than {limit} bytes")
+        self.line, self.limit = line, limit
+
+
+def iter_lines(ref: str, max_line: int) -> Iterator[tuple[int, bytes]]:
+    """(1-based line number, line without its newline) for each line, holding at most one line."""
+    buf = bytearray()
+    number = 0
+    for chunk in iter_file(ref):
+        start = 0
+        while (nl := chunk.find(b"\n", start)) != -1:
+            buf += chunk[start:nl]
+            number += 1
+            if len(buf) > max_line:
+                raise LineTooLong(number, max_line)
+            yield number, bytes(buf)
+            buf.clear()
+            start = nl + 1
+        buf += chunk[start:]
+        if len(buf) > max_line:
+            raise LineTooLong(number + 1, max_line)
+    if buf:
+        yield number + 1, bytes(buf)
+
+
+def delete_file(ref: str) -> None:
+    scheme, _, rest = ref.partition(":")
+    if scheme == "dbfile":
+        Payload.objects.filter(key__startswith=rest + "/").delete()
+    elif scheme == "file":
+        (_root() / rest).unlink(missing_ok=True)

@@ -2,7 +2,7 @@
 
 from celery import shared_task
 
-from batches import services
+from batches import finalize, services, validation
 
 
 @shared_task(name="batches.tasks.run_items", ignore_result=True, acks_late=True)
@@ -13,3 +13,16 @@ def run_items() -> int:
 @shared_task(name="batches.tasks.sweep", ignore_result=True)
 def sweep() -> dict:
     return services.sweep()
+
+
+# The OpenAI surface's two background steps. Both are idempotent (they act only
+# on a batch in the expected status, holding its row), so a duplicate or a
+# message re-sent by the sweeper is harmless.
+@shared_task(name="batches.tasks.validate_openai_batch", ignore_result=True, acks_late=True)
+def validate_openai_batch(batch_id: str) -> None:
+    validation.validate(batch_id)
+
+
+@shared_task(name="batches.tasks.finalize_openai_batch", ignore_result=True, acks_late=True)
+def finalize_openai_batch(batch_id: str) -> None:
+    finalize.finalize(batch_id)

@@ -3,8 +3,13 @@ from django.urls import path
 from batches.api import views
 
 urlpatterns = [
+    # Both batch surfaces (spec 000 and spec 003) share these routes; see batches/api/views.py.
     path("v1/batches", views.BatchListView.as_view(), name="batches"),
     path("v1/batches/<str:batch_id>", views.BatchDetailView.as_view(), name="batch-detail"),
     path("v1/batches/<str:batch_id>/results", views.BatchResultsView.as_view(), name="batch-results"),
     path("v1/batches/<str:batch_id>/cancel", views.BatchCancelView.as_view(), name="batch-cancel"),
+    # Files of the OpenAI-compatible surface.
+    path("v1/files", views.FileListView.as_view(), name="files"),
+    path("v1/files/<str:file_id>", views.FileDetailView.as_view(), name="file-detail"),
+    path("v1/files/<str:file_id>/content", views.FileContentView.as_view(), name="file-content"),
 ]

@@ -178,3 +178,15 @@ CELERY_TASK_ROUTES = {"batches.tasks.*": {"queue": "batch"}}
 CELERY_BEAT_SCHEDULE = {
     "batch-sweeper": {"task": "batches.tasks.sweep", "schedule": RELAY_BATCH_SWEEP_SECONDS},
 }
+
+# --- Batches: the OpenAI-compatible surface (Files + Batch objects, spec 003) ---
+# Largest file POST /v1/files accepts (OpenAI's Batch API limit is 200 MB); larger → 413.
+RELAY_MAX_UPLOAD_BYTES = env.int("RELAY_MAX_UPLOAD_BYTES", default=200 * MiB)
+# Uploads in flight at once per credential (counted in Redis); one more → 429.
+RELAY_MAX_CONCURRENT_UPLOADS = env.int("RELAY_MAX_CONCURRENT_UPLOADS", default=4)
+# completion_window "24h": expires_at = created_at + this. Shorter only for tests and demos.
+RELAY_BATCH_COMPLETION_WINDOW_SECONDS = env.int("RELAY_BATCH_COMPLETION_WINDOW_SECONDS", default=24 * 3600)
+# What an OpenAI-surface batch costs less than the same calls made live, in whole percent.
+RELAY_BATCH_DISCOUNT_PERCENT = env.int("RELAY_BATCH_DISCOUNT_PERCENT", default=50)
+if not 0 <= RELAY_BATCH_DISCOUNT_PERCENT <= 100:
+    raise ImproperlyConfigured("RELAY_BATCH_DISCOUNT_PERCENT must be between 0 and 100")

@@ -390,10 +390,15 @@ def test_no_more_than_8_in_flight_per_worker(api, fake):
 
 
 def test_small_batch_after_a_large_one_starts_before_the_large_one_finishes(api, fake):
-    fake.script("*", [Reply(delay=0.25) for _ in range(80)])
-    large = api.submit([CHAT] * 80).json()["id"]
-    wait_for(lambda: Item.objects.filter(batch_id=large, state="completed").count() >= 8, 20, what="progress")
+    # The large batch fills all 8 slots with answers held at a gate, so the small
+    # one is submitted while the large one certainly has work left.
+    gate = threading.Event()
+    fake.script("*", [Reply(gate=gate) for _ in range(8)] + [Reply(delay=0.5) for _ in range(40)])
+    large = api.submit([CHAT] * 40).json()["id"]
+    wait_for(lambda: Item.objects.filter(batch_id=large, state="running").count() == 8, 20, what="8 busy slots")
     small = api.submit([CHAT, CHAT]).json()["id"]
+    gate.set()
+    # Freed slots go to the batch with the fewest running items: the small one.
     api.wait_done(small, timeout=20)
-    assert Item.objects.filter(batch_id=large, state__in=["available", "running"]).exists()
+    assert Item.objects.filter(batch_id=large, state__in=["available", "running"]).count() >= 8
     api.wait_done(large, timeout=40)

@@ -4,6 +4,13 @@ Attribution is stored both as ids and as the names in force when the event was
 recorded (slugs), like the product: renaming a project later does not rewrite
 history. `cost_nano_usd` is integer nano-USD computed once at record time from
 the binding's pricing; null means unpriced, never 0.
+
+`billed_cost_nano_usd` is what the caller pays when a batch discount applies
+(OpenAI-surface batches, RELAY_BATCH_DISCOUNT_PERCENT fixed on the batch at
+submit): `cost_nano_usd * (100 - percent) // 100`, floored per event, so a
+batch's billed total is exactly the sum of its events'. It is null when no
+discount applies (live requests, native batches: the price is cost_nano_usd)
+and when the event is unpriced. The undiscounted cost is always kept beside it.
 """
 
 from django.db import models
@@ -47,6 +54,7 @@ class UsageEvent(models.Model):
     cache_read_tokens = models.BigIntegerField(default=0)
     cache_write_tokens = models.BigIntegerField(default=0)
     cost_nano_usd = models.BigIntegerField(null=True, blank=True)
+    billed_cost_nano_usd = models.BigIntegerField(null=True, blank=True)
 
     class Meta:
         indexes = [
@@ -63,6 +71,12 @@ class UsageEvent(models.Model):
                 & Q(cache_read_tokens__gte=0)
                 & Q(cache_write_tokens__gte=0),
                 name="usage_tokens_not_negative",
+            ),
+            # A discount never charges more than the undiscounted price, nor prices an unpriced event.
+            models.CheckConstraint(
+                condition=Q(billed_cost_nano_usd__isnull=True)
+                | Q(cost_nano_usd__isnull=False, billed_cost_nano_usd__lte=models.F("cost_nano_usd")),
+                name="usage_billed_within_cost",
             ),
         ]
 

@@ -1,0 +1,175 @@
+"""Finalization of an OpenAI-surface batch: the output and error files, then the final status.
+
+Runs in a Celery task on queue `batch` (batches.tasks.finalize_openai_batch)
+once every item is final. Items are read in pages of 1,000 by index and each
+becomes one JSONL line, written straight to the payload store, so memory stays
+constant however large the batch. Every record lands exactly once in one of
+the two files, in OpenAI's line shape (BatchRequestOutput):
+
+    success                 {"id": "batch_req_…", "custom_id", "response": {"status_code": 200,
+                              "request_id", "body": <the upstream's answer>}, "error": null}   → output file
+    upstream HTTP error     the same, with the upstream's status and error body               → error file
+    relay-side failure      {"id", "custom_id", "response": null, "error": {"code", "message"}} → error file
+
+`request_id` is the item's id, which is also the request_id of its usage event.
+A file with no lines is not created: when every record failed, output_file_id
+is null. Files, ids and the final status are written in one transaction.
+"""
+
+import json
+
+import uuid6
+from django.db import connection, transaction
+from django.utils import timezone
+
+from batches import storage
+from batches.models import PENDING_STATES, Batch, BatchStatus, File, FilePurpose, Item, ItemState, Surface
+from usage.models import UsageEvent
+
+PAGE = 1000
+EXPIRED_MESSAGE = "This request could not be executed before the completion window expired."
+CANCELLED_MESSAGE = "This request was cancelled before it completed."
+# Relay-side failure kinds (usage events' error_kind) that OpenAI names differently.
+_CODES = {"timeout": "request_timeout", "": "batch_item_failed"}
+_NATIVE_PREFIXES = ("batch item: ", "batch: ")
+
+
+def finalize(batch_id) -> None:
+    """finalizing|cancelling (no pending item) → completed | expired | cancelled, with its files."""
+    with transaction.atomic():
+        qs = Batch.objects.filter(
+            pk=batch_id, surface=Surface.OPENAI, status__in=[BatchStatus.FINALIZING, BatchStatus.CANCELLING]
+        )
+        if connection.vendor == "postgresql":
+            qs = qs.select_for_update(skip_locked=True)  # another worker is finalizing it
+        batch = qs.first()
+        if batch is None:
+            return
+        if Item.objects.filter(batch_id=batch.pk, state__in=PENDING_STATES).exists():
+            return  # cancelling: its running items stop at their next heartbeat, and call us again
+        output, errors = _ResultFile(batch, "output"), _ResultFile(batch, "error")
+        try:
+            for line, failed in result_lines(batch):
+                (errors if failed else output).write(line)
+            output_id, error_id = output.save(), errors.save()
+        except BaseException:
+            output.discard()
+            errors.discard()
+            raise
+        now = timezone.now()
+        if batch.expired_at is not None:
+            final = {"status": BatchStatus.EXPIRED}  # expired_at was stamped when the window closed
+        elif batch.status == BatchStatus.CANCELLING:
+            final = {"status": BatchStatus.CANCELLED, "cancelled_at": now}
+        else:
+            final = {"status": BatchStatus.COMPLETED, "completed_at": now}
+        Batch.objects.filter(pk=batch.pk).update(output_file_id=output_id, error_file_id=error_id, **final)
+
+
+class _ResultFile:
+    """A batch_output file created on its first line, so an empty one never exists."""
+
+    def __init__(self, batch: Batch, kind: str):
+        self.batch, self.kind = batch, kind
+        self.id = None
+        self.writer = None
+
+    def write(self, line: bytes) -> None:
+        if self.writer is None:
+            self.id = uuid6.uuid7()
+            self.writer = storage.file_writer(str(self.id))
+        self.writer.write(line)
+
+    def save(self):
+        if self.writer is None:
+            return None
+        ref = self.writer.close()
+        b = self.batch
+        File.objects.create(
+            id=self.id,
+            purpose=FilePurpose.BATCH_OUTPUT,
+            filename=f"{b.public_id}_{self.kind}.jsonl",
+            bytes=self.writer.size,
+            ref=ref,
+            batch_id=b.id,
+            owner_hash=b.owner_hash,
+            credential_kind=b.credential_kind,
+            credential_id=b.credential_id,
+            principal_kind=b.principal_kind,
+            principal_id=b.principal_id,
+            project_id=b.project_id,
+        )
+        return self.id
+
+    def discard(self) -> None:
+        if self.writer is not None:
+            self.writer.discard()
+
+
+_FIELDS = ("id", "idx", "custom_id", "state", "result_ref", "status_code", "error", "error_code", "error_body")
+
+
+def result_lines(batch: Batch):
+    """(JSONL line, is_error) for every item, in input order, one page in memory at a time."""
+    last = -1
+    while True:
+        page = list(Item.objects.filter(batch_id=batch.pk, idx__gt=last).order_by("idx").values(*_FIELDS)[:PAGE])
+        if not page:
+            return
+        kinds = _error_kinds(page)
+        for row in page:
+            obj, failed = _line(batch, row, kinds)
+            yield json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n", failed
+        last = page[-1]["idx"]
+
+
+def _error_kinds(page: list[dict]) -> dict:
+    """The usage events' error_kind of this page's relay-side failures: the error code OpenAI clients see."""
+    ids = [
+        str(r["id"]) for r in page if r["state"] == ItemState.DISCARDED and not r["error_code"] and not r["status_code"]
+    ]
+    if not ids:
+        return {}
+    return dict(UsageEvent.objects.filter(request_id__in=ids).values_list("request_id", "error_kind"))
+
+
+def _line(batch: Batch, row: dict, kinds: dict) -> tuple[dict, bool]:
+    item_id = row["id"]
+    head = {"id": f"batch_req_{item_id.hex}", "custom_id": row["custom_id"]}
+    state = row["state"]
+    if state == ItemState.COMPLETED:
+        try:
+            body = json.loads(storage.read(row["result_ref"]))
+        except (storage.PayloadMissing, ValueError) as exc:
+            return {**head, "response": None, "error": {"code": "result_unavailable", "message": str(exc)}}, True
+        response = {"status_code": row["status_code"] or 200, "request_id": str(item_id), "body": body}
+        return {**head, "response": response, "error": None}, False
+    if state == ItemState.CANCELLED:
+        if batch.expired_at is not None:
+            return {**head, "response": None, "error": {"code": "batch_expired", "message": EXPIRED_MESSAGE}}, True
+        return {**head, "response": None, "error": {"code": "batch_cancelled", "message": CANCELLED_MESSAGE}}, True
+    if row["status_code"] and not row["error_code"]:
+        # The upstream answered with an HTTP error: its status and (bounded) body, as OpenAI shows them.
+        response = {
+            "status_code": row["status_code"],
+            "request_id": str(item_id),
+            "body": _json_or_text(row["error_body"]),
+        }
+        return {**head, "response": response, "error": None}, True
+    kind = kinds.get(str(item_id), "")
+    code = row["error_code"] or _CODES.get(kind, kind)
+    return {**head, "response": None, "error": {"code": code, "message": _message(row["error"])}}, True
+
+
+def _json_or_text(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _message(error: str) -> str:
+    for prefix in _NATIVE_PREFIXES:
+        if error.startswith(prefix):
+            return error[len(prefix) :]
+    return error or "The request failed."

@@ -1,0 +1,434 @@
+"""The OpenAI-compatible batch surface (spec 003): create, cancel, expiry, and the lifecycle hooks.
+
+Same Batch and Item rows and the same execution path as the native surface
+(batches/services.py: claim, run_item, _finish, heartbeat, sweep). This module
+decides only how an OpenAI batch is created and how it moves through its
+lifecycle; records are validated in the background (batches/validation.py)
+and results are written as files at the end (batches/finalize.py).
+
+Hooks called from services.py: `upstream_body` (before dispatch),
+`with_batch_price` (the usage event), `items_done` (every item is final),
+`cancel` and `sweep`.
+"""
+
+import logging
+from datetime import timedelta
+from functools import lru_cache
+
+import redis
+import uuid6
+from django.conf import settings
+from django.db import IntegrityError, connection, transaction
+from django.utils import timezone
+
+from batches import ingest, selectors, storage
+from batches.errors import OpenAIError, invalid, missing, no_batch_access
+from batches.files import write_file
+from batches.models import (
+    OPENAI_OPEN_STATUSES,
+    PENDING_STATES,
+    Batch,
+    BatchStatus,
+    Endpoint,
+    File,
+    FilePurpose,
+    Item,
+    ItemState,
+    Shape,
+    Surface,
+)
+from policies.models import Policy
+from relay.auth import Principal
+from relay.redis import get_redis
+
+log = logging.getLogger(__name__)
+
+CREATE_KEYS = {"endpoint", "completion_window", "input_file_id", "requests", "metadata", "model"}
+METADATA_MAX_PAIRS = 16
+METADATA_KEY_MAX = 64
+METADATA_VALUE_MAX = 512
+MODEL_HINT_MAX = 200
+IDEMPOTENCY_KEY_MAX = 255
+
+
+# --- access -----------------------------------------------------------------------------------
+
+
+def check_access(principal: Principal) -> None:
+    """404 unless the credential's policy grants batch access (OpenAI: 404 without Batch API access)."""
+    policy = (
+        Policy.objects.filter(pk=principal.policy_id).only("batch_enabled").first() if principal.policy_id else None
+    )
+    if policy is None or not policy.batch_enabled:
+        raise no_batch_access()
+
+
+# --- create -----------------------------------------------------------------------------------
+
+
+def create(principal: Principal, submission: ingest.Submission, *, idempotency_key: str = "") -> Batch:
+    """POST /v1/batches (OpenAI body) → a `validating` batch; validation runs in the background.
+
+    Inline `requests` become the batch's input file (purpose `batch`, one record
+    per line, line N = requests[N-1]), so both ways in share one validator and
+    the batch object always has an input_file_id. With an Idempotency-Key, the
+    same key and body from the same owner return the first batch.
+    """
+    check_access(principal)
+    params = _create_params(submission)
+    if len(idempotency_key) > IDEMPOTENCY_KEY_MAX:
+        raise invalid(f"Idempotency-Key must be at most {IDEMPOTENCY_KEY_MAX} characters.", code="invalid_request")
+    if idempotency_key:
+        replay = _replay(principal, idempotency_key, submission.sha256)
+        if replay is not None:
+            return replay
+    input_file = _input_file(principal, params["input_file_id"]) if params["input_file_id"] else None
+    _check_dispatchable()
+    batch_id = uuid6.uuid7()
+    now = timezone.now()
+    inline = None
+    try:
+        with transaction.atomic():
+            if input_file is None:
+                inline = write_file(
+                    principal,
+                    purpose=FilePurpose.BATCH,
+                    filename=f"batch_{batch_id.hex}_requests.jsonl",
+                    chunks=(element + b"\n" for element in submission.elements()),
+                    batch_id=batch_id,
+                )
+            batch = Batch.objects.create(
+                id=batch_id,
+                surface=Surface.OPENAI,
+                # All three endpoints are served by `openai` bindings, as for a live call.
+                inbound_shape=Shape.OPENAI,
+                status=BatchStatus.VALIDATING,
+                created_at=now,
+                expires_at=now + timedelta(seconds=settings.RELAY_BATCH_COMPLETION_WINDOW_SECONDS),
+                endpoint=params["endpoint"],
+                completion_window=params["completion_window"],
+                metadata=params["metadata"],
+                model=params["model"] or "",
+                input_file_id=(input_file or inline).id,
+                discount_percent=settings.RELAY_BATCH_DISCOUNT_PERCENT,
+                idempotency_key=idempotency_key,
+                request_sha256=submission.sha256 if idempotency_key else "",
+                owner_hash=principal.owner_hash,
+                policy_id=principal.policy_id,
+                project_id=principal.project_id,
+                team_id=principal.team_id,
+                principal_kind=principal.principal_kind,
+                principal_id=principal.principal_id,
+                credential_kind=principal.credential_kind,
+                credential_id=principal.credential_id,
+                principal=principal.as_dict(),
+            )
+            transaction.on_commit(lambda: enqueue("validate_openai_batch", batch_id))
+    except BaseException as exc:
+        if inline is not None:
+            storage.delete_file(inline.ref)  # its row went with the rollback; its bytes go now
+        if isinstance(exc, IntegrityError) and idempotency_key:
+            # A concurrent request with the same Idempotency-Key committed first.
+            replay = _replay(principal, idempotency_key, submission.sha256)
+            if replay is not None:
+                return replay
+        raise
+    return batch
+
+
+def _create_params(submission: ingest.Submission) -> dict:
+    top = submission.top
+    unknown = sorted(set(top) - CREATE_KEYS)
+    if unknown:
+        raise invalid(
+            f"Unrecognized request argument supplied: {unknown[0]}", param=unknown[0], code="unknown_parameter"
+        )
+    endpoint = top.get("endpoint")
+    if endpoint is None:
+        raise missing("endpoint")
+    if endpoint not in Endpoint.values:
+        raise invalid(
+            f"Invalid value for 'endpoint': {endpoint!r}. Supported values are: "
+            + ", ".join(f"'{e}'" for e in Endpoint.values)
+            + ".",
+            param="endpoint",
+        )
+    window = top.get("completion_window")
+    if window is None:
+        raise missing("completion_window")
+    if window != "24h":
+        raise invalid(
+            f"Invalid value for 'completion_window': {window!r}. Only '24h' is supported.", param="completion_window"
+        )
+    has_file, has_requests = "input_file_id" in top, "requests" in top
+    if has_file and has_requests:
+        raise invalid(
+            "Provide exactly one of 'input_file_id' or 'requests', not both.",
+            param="input_file_id",
+            code="invalid_request",
+        )
+    if not has_file and not has_requests:
+        raise OpenAIError(
+            400,
+            "missing_required_parameter",
+            "Missing required parameter: provide 'input_file_id' (an uploaded JSONL file) "
+            "or 'requests' (inline records).",
+            param="input_file_id",
+        )
+    file_id = top.get("input_file_id")
+    if has_file and not isinstance(file_id, str):
+        raise invalid(
+            "Invalid type for 'input_file_id': expected a string.", param="input_file_id", code="invalid_type"
+        )
+    if has_requests:
+        max_items = settings.RELAY_BATCH_MAX_ITEMS
+        if not submission.count:
+            raise invalid("'requests' must contain at least one record.", param="requests")
+        if submission.count > max_items:
+            raise invalid(
+                f"Too many requests: {submission.count} records, "
+                f"at most {max_items} per batch (RELAY_BATCH_MAX_ITEMS).",
+                param="requests",
+                code="too_many_requests",
+            )
+    return {
+        "endpoint": endpoint,
+        "completion_window": window,
+        "input_file_id": file_id,
+        "metadata": _metadata(top.get("metadata")),
+        "model": _model_hint(top.get("model")),
+    }
+
+
+def _metadata(value) -> dict | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise invalid(
+            "Invalid type for 'metadata': expected an object of string values.", param="metadata", code="invalid_type"
+        )
+    if len(value) > METADATA_MAX_PAIRS:
+        raise invalid(f"'metadata' has {len(value)} pairs; at most {METADATA_MAX_PAIRS} are allowed.", param="metadata")
+    for key, val in value.items():
+        if len(key) > METADATA_KEY_MAX:
+            raise invalid(
+                f"'metadata' key {key[:20]!r}… is longer than {METADATA_KEY_MAX} characters.", param=f"metadata.{key}"
+            )
+        if not isinstance(val, str):
+            raise invalid(f"'metadata.{key}' must be a string.", param=f"metadata.{key}", code="invalid_type")
+        if len(val) > METADATA_VALUE_MAX:
+            raise invalid(f"'metadata.{key}' is longer than {METADATA_VALUE_MAX} characters.", param=f"metadata.{key}")
+    return value
+
+
+def _model_hint(value) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or len(value) > MODEL_HINT_MAX:
+        raise invalid(f"'model' must be a string of at most {MODEL_HINT_MAX} characters.", param="model")
+    return value
+
+
+def _input_file(principal: Principal, public_id: str) -> File:
+    pk = selectors.parse_public_id(public_id, "file-")
+    file = File.objects.filter(pk=pk, owner_hash=principal.owner_hash).first() if pk is not None else None
+    if file is None:
+        raise invalid(f"No file found with id '{public_id}'.", param="input_file_id", code="file_not_found")
+    if file.purpose != FilePurpose.BATCH:
+        raise invalid(
+            f"File '{public_id}' has purpose '{file.purpose}'; a batch input file must have purpose 'batch'.",
+            param="input_file_id",
+        )
+    return file
+
+
+def _replay(principal: Principal, key: str, sha256: str) -> Batch | None:
+    first = Batch.objects.filter(owner_hash=principal.owner_hash, idempotency_key=key).first()
+    if first is None:
+        return None
+    if first.request_sha256 != sha256:
+        raise OpenAIError(
+            400,
+            "idempotency_key_reused",
+            "This Idempotency-Key was already used with a different request body; use a new key for a new batch.",
+            headers={"x-should-retry": "false"},
+        )
+    return first
+
+
+@lru_cache(maxsize=4)
+def _broker(url: str) -> redis.Redis:
+    return redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
+
+
+def _check_dispatchable() -> None:
+    """503 (nothing stored) when the queue broker cannot take the validation message."""
+    url = settings.CELERY_BROKER_URL
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        return
+    try:
+        _broker(url).ping()
+    except redis.RedisError as exc:
+        raise OpenAIError(
+            503,
+            "dispatch_unavailable",
+            "The batch could not be dispatched: the queue broker is unreachable. Retry shortly.",
+            headers={"Retry-After": 2},
+        ) from exc
+
+
+# --- Celery hand-offs -------------------------------------------------------------------------
+
+
+def enqueue(task_name: str, batch_id) -> None:
+    """Send a validate/finalize message; if it is lost, the sweeper sends it again."""
+    from batches import tasks
+
+    try:
+        getattr(tasks, task_name).apply_async(args=[str(batch_id)], queue="batch")
+    except Exception:  # the broker is down: sweep() re-dispatches
+        log.warning("could not enqueue %s for batch %s", task_name, batch_id, exc_info=True)
+
+
+def _redispatch(task_name: str, batch_id) -> None:
+    """At most one re-sent message per batch per lease period, however often the sweeper runs."""
+    try:
+        fresh = get_redis().set(
+            f"batch_redispatch:{task_name}:{batch_id}", 1, nx=True, ex=settings.RELAY_BATCH_LEASE_SECONDS
+        )
+    except redis.RedisError:
+        return
+    if fresh:
+        enqueue(task_name, batch_id)
+
+
+# --- hooks from the shared execution path ----------------------------------------------------
+
+
+def upstream_body(body: dict) -> dict:
+    """The record body as the upstream gets it.
+
+    The `openrelay` key carries OpenRelay request extensions (tool_config; spec
+    003). Executing them is the tool-calling issue's job; until then the key is
+    removed here, before every dispatch, so it never reaches a provider. The
+    stored record keeps it intact.
+    """
+    if "openrelay" not in body:
+        return body
+    return {k: v for k, v in body.items() if k != "openrelay"}
+
+
+def discounted(cost_nano_usd: int, percent: int) -> int:
+    """The price after a whole-percent discount, floored to the nano-USD (in the caller's favour)."""
+    return cost_nano_usd * (100 - percent) // 100
+
+
+def with_batch_price(batch_id, event: dict) -> dict:
+    """Add billed_cost_nano_usd to an item's usage event when its batch has a discount."""
+    cost = event.get("cost_nano_usd")
+    if cost is None:
+        return event
+    percent = Batch.objects.filter(pk=batch_id).values_list("discount_percent", flat=True).first()
+    if not percent:
+        return event
+    return dict(event, billed_cost_nano_usd=discounted(cost, percent))
+
+
+def items_done(batch_id) -> bool:
+    """Every item of the batch is final. OpenAI batch: move to finalizing and write the files. Else False."""
+    row = Batch.objects.filter(pk=batch_id).values_list("surface", "status").first()
+    if row is None or row[0] != Surface.OPENAI:
+        return False
+    status = row[1]
+    if status == BatchStatus.IN_PROGRESS:
+        Batch.objects.filter(pk=batch_id, status=BatchStatus.IN_PROGRESS).update(
+            status=BatchStatus.FINALIZING, finalizing_at=timezone.now()
+        )
+        status = BatchStatus.FINALIZING
+    if status in (BatchStatus.FINALIZING, BatchStatus.CANCELLING):
+        transaction.on_commit(lambda: enqueue("finalize_openai_batch", batch_id))
+    return True
+
+
+def cancel(batch: Batch) -> bool:
+    """validating|in_progress → cancelling: pending records are cancelled now, running ones at their next
+    heartbeat (on every replica); the batch becomes cancelled once its partial results are written.
+
+    True when the batch is (now) cancelling or cancelled; False when it had already finished.
+    """
+    now = timezone.now()
+    with transaction.atomic():
+        # Waits for a running validation (it holds the row) and re-checks the status after it.
+        moved = Batch.objects.filter(pk=batch.pk, surface=Surface.OPENAI, status__in=OPENAI_OPEN_STATUSES).update(
+            status=BatchStatus.CANCELLING, cancelling_at=now, cancel_requested_at=now
+        )
+        if moved:
+            Item.objects.filter(batch_id=batch.pk, state=ItemState.AVAILABLE).update(
+                state=ItemState.CANCELLED, finished_at=now, error="batch: cancelled", error_code="batch_cancelled"
+            )
+            from batches import services
+
+            services._maybe_complete(batch.pk)
+    batch.refresh_from_db()
+    return batch.status in (BatchStatus.CANCELLING, BatchStatus.CANCELLED)
+
+
+# --- the sweeper's part -------------------------------------------------------------------------
+
+
+def sweep() -> dict:
+    """Expire batches past their window, and re-send lost validate/finalize messages. Idempotent."""
+    from batches import services
+
+    now = timezone.now()
+    expired = expire(now)
+    stale = now - timedelta(seconds=settings.RELAY_BATCH_LEASE_SECONDS)
+    openai = Batch.objects.filter(surface=Surface.OPENAI)
+    lost = openai.filter(status=BatchStatus.VALIDATING, created_at__lt=stale).values_list("id", flat=True)
+    for batch_id in lost[:100]:
+        _redispatch("validate_openai_batch", batch_id)
+    # Two last items finishing together can each see the other still running; nothing else would notice.
+    done = (
+        openai.filter(status__in=[BatchStatus.IN_PROGRESS, BatchStatus.FINALIZING, BatchStatus.CANCELLING])
+        .exclude(items__state__in=PENDING_STATES)
+        .values_list("id", "status", "finalizing_at", "cancelling_at")[:100]
+    )
+    for batch_id, status, finalizing_at, cancelling_at in done:
+        if status == BatchStatus.IN_PROGRESS:
+            with transaction.atomic():
+                services._maybe_complete(batch_id)
+        elif (finalizing_at or cancelling_at) < stale:
+            _redispatch("finalize_openai_batch", batch_id)  # finalize's message was lost
+    return {"expired": expired}
+
+
+EXPIRED_ERROR = "batch: the completion window ended before this request ran"
+
+
+def expire(now) -> int:
+    """The window closed: stop the batch's work and finalize it as `expired`.
+
+    Pending records end with batch_expired now; running ones stop at their next
+    heartbeat (the cancel flag is what they read). Finished records are still
+    delivered in the output file.
+    """
+    from batches import services
+
+    n = 0
+    due = Batch.objects.filter(surface=Surface.OPENAI, status__in=OPENAI_OPEN_STATUSES, expires_at__lte=now)
+    for batch_id in due.values_list("id", flat=True)[:100]:
+        with transaction.atomic():
+            qs = Batch.objects.filter(pk=batch_id, status__in=OPENAI_OPEN_STATUSES)
+            if connection.vendor == "postgresql":
+                qs = qs.select_for_update(skip_locked=True)  # a validation in progress: next sweep
+            if qs.first() is None:
+                continue
+            Batch.objects.filter(pk=batch_id).update(
+                status=BatchStatus.FINALIZING, finalizing_at=now, expired_at=now, cancel_requested_at=now
+            )
+            Item.objects.filter(batch_id=batch_id, state=ItemState.AVAILABLE).update(
+                state=ItemState.CANCELLED, finished_at=now, error=EXPIRED_ERROR, error_code="batch_expired"
+            )
+            services._maybe_complete(batch_id)
+            n += 1
+    return n

@@ -1,0 +1,256 @@
+"""Background validation of an OpenAI-surface batch: its input file's records become items.
+
+Runs once per batch in a Celery task on queue `batch`
+(batches.tasks.validate_openai_batch). The input file is streamed line by line
+(one line in memory at a time) and each record is checked:
+
+- structural problems fail the whole batch (`failed`, with OpenAI's
+  `errors.data[{code, message, param, line}]`, line numbers 1-based) and store
+  nothing: a line that is not a JSON object, a missing/duplicate/non-string
+  custom_id, a method other than POST, a url other than the batch's endpoint,
+  a body that is not an object, more records than RELAY_BATCH_MAX_ITEMS, an
+  empty or unreadable file;
+- record-level problems fail only that record (stored as a discarded item, so
+  it appears in the error file): `"stream": true` and a bare top-level
+  `tool_config` (code tool_config_moved).
+
+Otherwise every record is stored as an item (its body in the payload store,
+untouched) in one transaction and the batch moves to `in_progress`.
+"""
+
+import json
+from dataclasses import dataclass, field
+
+import uuid6
+from django.conf import settings
+from django.db import connection, transaction
+from django.utils import timezone
+
+from batches import bulk, ingest, services, storage
+from batches.models import Batch, BatchStatus, File, Item, ItemState, Surface
+from usage.models import Source, UsageEvent
+
+# Report at most this many problems; a file broken on every line says so soon enough.
+MAX_ERRORS = 100
+CUSTOM_ID_MAX = Item._meta.get_field("custom_id").max_length
+_FLUSH = 2000
+
+
+class _Rejected(Exception):
+    def __init__(self, errors: list[dict]):
+        super().__init__(errors)
+        self.errors = errors
+
+
+@dataclass
+class _Ingest:
+    records: int = 0
+    available: int = 0
+    model: str = ""
+    errors: list[dict] = field(default_factory=list)
+
+
+def _error(code: str, message: str, *, line: int | None = None, param: str | None = None) -> dict:
+    return {"code": code, "message": message, "param": param, "line": line}
+
+
+def validate(batch_id) -> None:
+    """validating → in_progress (items stored) or failed (errors); a no-op for any other status."""
+    with transaction.atomic():
+        qs = Batch.objects.filter(pk=batch_id, surface=Surface.OPENAI, status=BatchStatus.VALIDATING)
+        if connection.vendor == "postgresql":
+            # Another worker validating it (a re-sent message) holds the row: leave it to them.
+            qs = qs.select_for_update(skip_locked=True)
+        batch = qs.first()
+        if batch is None:
+            return
+        source = File.objects.filter(pk=batch.input_file_id, owner_hash=batch.owner_hash).first()
+        if source is None:
+            gone = "The input file was deleted before the batch was validated."
+            _fail(batch, [_error("file_not_found", gone, param="input_file_id")])
+            return
+        writer = storage.input_writer(str(batch.id))
+        try:
+            with transaction.atomic():  # a savepoint: a rejected file leaves no item behind
+                result = _ingest(batch, source, writer)
+                if result.errors:
+                    raise _Rejected(result.errors)
+            writer.close()
+        except _Rejected as exc:
+            writer.discard()
+            _fail(batch, exc.errors)
+            return
+        except BaseException:
+            writer.discard()
+            raise
+        Batch.objects.filter(pk=batch.pk).update(
+            status=BatchStatus.IN_PROGRESS,
+            in_progress_at=timezone.now(),
+            total_items=result.records,
+            model=result.model or batch.model,
+        )
+        if result.available:
+            transaction.on_commit(services.top_up_wakeups)
+        else:
+            services._maybe_complete(batch.pk)  # every record failed validation: straight to finalizing
+
+
+def _fail(batch: Batch, errors: list[dict]) -> None:
+    Batch.objects.filter(pk=batch.pk).update(
+        status=BatchStatus.FAILED, failed_at=timezone.now(), errors=errors, total_items=0
+    )
+
+
+def _ingest(batch: Batch, source: File, writer) -> _Ingest:
+    result = _Ingest()
+    max_items = settings.RELAY_BATCH_MAX_ITEMS
+    seen: dict[str, int] = {}  # custom_id → line; bounded by max_items × CUSTOM_ID_MAX
+    items: list[dict] = []
+    events: list[UsageEvent] = []
+    now = timezone.now()
+
+    def flush():
+        bulk.insert_items(items)
+        UsageEvent.objects.bulk_create(events, ignore_conflicts=True)
+        items.clear()
+        events.clear()
+
+    try:
+        for line, raw in storage.iter_lines(source.ref, max_line=services.body_limit()):
+            if not raw.strip():
+                continue  # blank lines (a trailing newline, CRLF files) are not records
+            if result.records >= max_items:
+                result.errors.append(
+                    _error(
+                        "too_many_requests",
+                        f"The input file has more than {max_items} requests (RELAY_BATCH_MAX_ITEMS).",
+                        line=line,
+                    )
+                )
+                break
+            record, problem = _check(raw, line, batch.endpoint, seen)
+            result.records += 1
+            if problem is not None:
+                result.errors.append(problem)
+                if len(result.errors) >= MAX_ERRORS:
+                    break
+                continue
+            if result.errors:
+                continue  # the batch fails: keep checking, store nothing
+            body = record["body"]
+            if not result.model and isinstance(body.get("model"), str):
+                result.model = body["model"][:200]
+            idx = result.records - 1
+            item = {
+                "id": uuid6.uuid7(),
+                "batch_id": batch.id,
+                "idx": idx,
+                "state": ItemState.AVAILABLE,
+                "custom_id": record["custom_id"],
+                "input_ref": writer.add(idx, ingest.dumps(body)),
+            }
+            failure = _record_failure(body)
+            if failure is None:
+                result.available += 1
+            else:
+                code, message = failure
+                item.update(state=ItemState.DISCARDED, finished_at=now, error_code=code, error=message)
+                events.append(_rejected_event(batch, item, body))
+            items.append(item)
+            if len(items) >= _FLUSH:
+                flush()
+    except storage.LineTooLong as exc:
+        result.errors.append(
+            _error("line_too_long", f"Line {exc.line} is longer than {exc.limit} bytes.", line=exc.line)
+        )
+    except storage.PayloadMissing as exc:
+        result.errors.append(
+            _error("file_unreadable", f"The input file could not be read: {exc}", param="input_file_id")
+        )
+    if not result.records and not result.errors:
+        result.errors.append(_error("empty_file", "The input file has no requests.", param="input_file_id"))
+    if not result.errors and items:
+        flush()
+    return result
+
+
+def _check(raw: bytes, line: int, endpoint: str, seen: dict) -> tuple[dict | None, dict | None]:
+    """(record, None) when the line is a well-formed record, else (None, error)."""
+    try:
+        record = json.loads(raw)
+    except ValueError as exc:
+        return None, _error("invalid_json_line", f"Line {line} is not valid JSON: {exc}", line=line)
+    if not isinstance(record, dict):
+        return None, _error("invalid_request", f"Line {line} must be a JSON object (a request record).", line=line)
+    custom_id = record.get("custom_id")
+    if custom_id is None:
+        return None, _error(
+            "missing_required_parameter", "Missing required parameter: 'custom_id'.", line=line, param="custom_id"
+        )
+    if not isinstance(custom_id, str) or not custom_id:
+        return None, _error(
+            "invalid_custom_id", "'custom_id' must be a non-empty string.", line=line, param="custom_id"
+        )
+    if len(custom_id) > CUSTOM_ID_MAX:
+        return None, _error(
+            "invalid_custom_id", f"'custom_id' is longer than {CUSTOM_ID_MAX} characters.", line=line, param="custom_id"
+        )
+    if custom_id in seen:
+        return None, _error(
+            "duplicate_custom_id",
+            f"The custom_id {custom_id!r} is already used on line {seen[custom_id]}; "
+            "custom_id must be unique in a batch.",
+            line=line,
+            param="custom_id",
+        )
+    seen[custom_id] = line
+    method = record.get("method")
+    if method != "POST":
+        return None, _error(
+            "invalid_method", f"Invalid 'method': {method!r}. Only 'POST' is supported.", line=line, param="method"
+        )
+    url = record.get("url")
+    if url != endpoint:
+        return None, _error(
+            "mismatched_url",
+            f"The 'url' {url!r} does not match the batch's endpoint {endpoint!r}; every record must call it.",
+            line=line,
+            param="url",
+        )
+    if not isinstance(record.get("body"), dict):
+        return None, _error("invalid_body", "'body' must be a JSON object (the request body).", line=line, param="body")
+    return record, None
+
+
+def _record_failure(body: dict) -> tuple[str, str] | None:
+    """(code, message) when this one record cannot run; the rest of the batch is unaffected."""
+    if body.get("stream") is True:
+        return "streaming_unsupported", 'Streaming is not supported in batches: remove "stream": true from the body.'
+    if "tool_config" in body:
+        return (
+            "tool_config_moved",
+            "A top-level tool_config is the retired spelling of the extension: move it to body.openrelay.tool_config.",
+        )
+    return None
+
+
+def _rejected_event(batch: Batch, item: dict, body: dict) -> UsageEvent:
+    """One usage event per item, also for records that never reached the pipeline (as on the native surface)."""
+    p = batch.principal
+    model = body.get("model")
+    return UsageEvent(
+        request_id=str(item["id"]),
+        source=Source.BATCH,
+        status=0,
+        error_kind=item["error_code"],
+        error_message=item["error"][:500],
+        credential_kind=p["credential_kind"],
+        credential_id=p["credential_id"],
+        principal_kind=p["principal_kind"],
+        principal_id=p["principal_id"],
+        project_id=p["project_id"],
+        team_id=p["team_id"],
+        policy_id=p["policy_id"],
+        model=model[:200] if isinstance(model, str) else "",
+        batch_id=str(batch.id),
+    )
