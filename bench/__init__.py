@@ -1,0 +1,1 @@
+"""Benchmarks for Relay batch. They print figures; they never assert timings. See bench/README.md."""

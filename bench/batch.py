@@ -1,0 +1,491 @@
+"""Issue 4: the relay-native batch API under load, in one run.
+
+    .venv/bin/python -m bench.batch          (or: make bench, which runs every benchmark)
+
+Starts, on loopback only: the fake upstream (bench/fake_upstream.py, its own process), the relay web
+server as in production (gunicorn relay.wsgi, 2 workers x 8 threads) on a fresh PostgreSQL database
+`relay_bench_batch` and Redis db 10 (BENCH_REDIS_DB_BATCH), and later one Celery worker as in production
+(`celery -A relay worker -Q batch,default -c 8`, with the sweeper embedded by -B). Payloads go to the
+default `dir` store, in a temporary directory.
+
+Figures, in the order they are measured:
+ a. submit: time to 202 and peak RSS of the gunicorn worker that served a BENCH_ITEMS-item (50,000)
+    native submission of about 31 MiB (`POST /v1/batches` {"shape": "openai", "requests": [...]}),
+    written to disk first and streamed from the file by requests.
+ c. results: the same batch is completed *directly in the database* (no worker is running yet): each
+    item gets the fake upstream's canned chat.completion for its own request, stored through
+    batches.storage.write_result (as the worker does), then the items are marked completed and the
+    batch completed. Then `GET /v1/batches/{id}/results` is streamed to /dev/null: time to first byte,
+    total time, bytes, results counted, peak RSS of the serving gunicorn worker.
+    (BENCH_RESULTS_VIA_WORKER=1 instead runs the 50,000 items through the worker at 0 ms upstream
+    latency and reports how long that took.) Also: one `GET /v1/batches/{id}` of that batch.
+ b. throughput: the worker is started; BENCH_THROUGHPUT_ITEMS (2,000) items with the fake upstream at
+    BENCH_LATENCY_MS (100 ms); items/s from the client's 202 to the batch's CompletedAt, and its ratio to
+    the 8 slots / 100 ms = 80 items/s ceiling. Then BENCH_CEILING_ITEMS (1,000) at 0 ms latency: the
+    worker's own ceiling on this machine. CPU per item (worker, Postgres, web, fake upstream) and how busy
+    the whole machine was are printed with each, to show what bounds the figure.
+ d. OpenAI-compatible upload (other engineer's endpoints): a BENCH_ITEMS-record JSONL file,
+    `POST /v1/files` (multipart, purpose=batch) then `POST /v1/batches` {"input_file_id", "endpoint",
+    "completion_window": "24h"}: time and peak RSS. Reports "skipped: /v1/files not available (404)"
+    while the endpoint does not exist. Run after the worker is stopped, so that batch never runs.
+
+Knobs (environment): BENCH_ITEMS (50000), BENCH_ITEM_BYTES (650: size of one request),
+BENCH_THROUGHPUT_ITEMS (2000), BENCH_LATENCY_MS (100), BENCH_CEILING_ITEMS (1000; 0 skips the 0 ms run),
+BENCH_SKIP_OPENAI_UPLOAD=1, BENCH_RESULTS_VIA_WORKER=1, BENCH_KEEP_DB=1 (keep relay_bench_batch).
+Prints figures; asserts nothing about timings.
+"""
+
+import io
+import json
+import os
+import secrets
+import time
+from datetime import datetime
+from pathlib import Path
+
+import requests
+
+from bench import harness
+from bench.harness import MemWatch, env_float, env_int, fmt_mem, log
+
+SLOTS = 8  # items in flight per worker replica (design.md §4)
+
+
+# --- request bodies on disk ------------------------------------------------------------------------
+
+
+def write_native_body(path: Path, n: int, item_bytes: int) -> int:
+    with open(path, "wb") as fh:
+        fh.write(b'{"shape":"openai","requests":[')
+        for i in range(n):
+            if i:
+                fh.write(b",")
+            fh.write(json.dumps(harness.chat_body(i, item_bytes), separators=(",", ":")).encode())
+        fh.write(b"]}")
+    return path.stat().st_size
+
+
+def write_openai_jsonl(path: Path, n: int, item_bytes: int) -> int:
+    """The OpenAI Batch input format: one {custom_id, method, url, body} record per line, sized like
+    the native submission (the record envelope is taken out of the body's padding)."""
+    envelope = len('{"custom_id":"request-00000","method":"POST","url":"/v1/chat/completions","body":}')
+    with open(path, "wb") as fh:
+        for i in range(n):
+            record = {
+                "custom_id": f"request-{i}",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": harness.chat_body(i, max(0, item_bytes - envelope)),
+            }
+            fh.write(json.dumps(record, separators=(",", ":")).encode() + b"\n")
+    return path.stat().st_size
+
+
+class MultipartFile:
+    """multipart/form-data read from disk as requests sends it, so the client holds no copy of the file."""
+
+    def __init__(self, fields: dict, file_field: str, path: Path, content_type: str):
+        boundary = "relay-bench-" + secrets.token_hex(12)
+        head = "".join(
+            f'--{boundary}\r\nContent-Disposition: form-data; name="{k}"\r\n\r\n{v}\r\n' for k, v in fields.items()
+        )
+        head += (
+            f'--{boundary}\r\nContent-Disposition: form-data; name="{file_field}"; filename="{path.name}"\r\n'
+            f"Content-Type: {content_type}\r\n\r\n"
+        )
+        tail = f"\r\n--{boundary}--\r\n".encode()
+        self.content_type = f"multipart/form-data; boundary={boundary}"
+        self._parts = [io.BytesIO(head.encode()), open(path, "rb"), io.BytesIO(tail)]  # noqa: SIM115 - close()
+        self._len = len(head.encode()) + path.stat().st_size + len(tail)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def read(self, n: int = -1) -> bytes:
+        out = b""
+        while self._parts and (n < 0 or len(out) < n):
+            chunk = self._parts[0].read(-1 if n < 0 else n - len(out))
+            if chunk:
+                out += chunk
+            else:
+                self._parts.pop(0).close()
+        return out
+
+    def __iter__(self):
+        while chunk := self.read(64 * 1024):
+            yield chunk
+
+    def close(self) -> None:
+        for part in self._parts:
+            part.close()
+
+
+# --- the figures ---------------------------------------------------------------------------------------
+
+
+def _iso_ts(value: str) -> float:
+    return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+
+
+def submit(web: harness.Web, key: str, path: Path, cpu_groups: dict) -> dict:
+    with harness.CpuWatch(cpu_groups) as cpu, MemWatch(web.worker_pids()) as mem, open(path, "rb") as fh:
+        t0 = time.perf_counter()
+        resp = requests.post(
+            f"{web.url}/v1/batches",
+            data=fh,
+            headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+            timeout=900,
+        )
+        elapsed = time.perf_counter() - t0
+        t202 = time.time()
+    if resp.status_code != 202:
+        raise RuntimeError(f"POST /v1/batches answered {resp.status_code}: {resp.text[:500]}")
+    body = resp.json()
+    return {
+        "id": body["id"],
+        "total": body["total_items"],
+        "seconds": elapsed,
+        "t202": t202,
+        "mem": mem.summary(),
+        "cpu": cpu.describe(body["total_items"], "item"),
+    }
+
+
+def complete_in_db(batch_id: str) -> dict:
+    """Finish every item as a worker would have: the fake upstream's reply for that item's own request,
+    stored through the storage interface (batches.storage.write_result); then item states, the batch
+    status and CompletedAt, in one transaction."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from django.db import connection, transaction
+    from django.utils import timezone
+
+    from batches import storage
+    from batches.models import Batch, BatchStatus, Item, ItemState
+    from relay.demo_upstream import canned
+
+    def store(row) -> tuple[str, str]:
+        item_id, input_ref = row
+        request = json.loads(storage.read(input_ref))
+        request["model"] = harness.UPSTREAM_MODEL  # what the relay sends upstream
+        reply = json.dumps(canned("/v1/chat/completions", request)).encode()
+        return str(item_id), storage.write_result(batch_id, str(item_id), reply)
+
+    t0 = time.perf_counter()
+    rows = list(Item.objects.filter(batch_id=batch_id).order_by("idx").values_list("id", "input_ref"))
+    with ThreadPoolExecutor(4) as pool:  # file writes release the GIL
+        refs = list(pool.map(store, rows, chunksize=256))
+    now = timezone.now()
+    table = Item._meta.db_table
+    with transaction.atomic(), connection.cursor() as cur:
+        for i in range(0, len(refs), 5000):
+            chunk = refs[i : i + 5000]
+            values = ",".join(["(%s::uuid, %s)"] * len(chunk))
+            cur.execute(
+                f'UPDATE "{table}" AS i SET result_ref = v.ref, state = %s, attempt = 1, started_at = %s, '
+                f"finished_at = %s, status_code = 200 FROM (VALUES {values}) AS v(id, ref) WHERE i.id = v.id",
+                [ItemState.COMPLETED, now, now, *[x for pair in chunk for x in pair]],
+            )
+        Batch.objects.filter(pk=batch_id).update(status=BatchStatus.COMPLETED, completed_at=now)
+    return {"seconds": time.perf_counter() - t0, "items": len(refs)}
+
+
+def wait_completed(batch_id: str, timeout: float) -> None:
+    from batches.models import Batch
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if Batch.objects.filter(pk=batch_id, completed_at__isnull=False).exists():
+            return
+        time.sleep(0.25)
+    raise RuntimeError(f"batch {batch_id} not completed after {timeout:.0f} s")
+
+
+def fetch_results(web: harness.Web, key: str, batch_id: str, cpu_groups: dict) -> dict:
+    marker = b'{"idx":'
+    count, size, tail = 0, 0, b""
+    head = b""
+    with harness.CpuWatch(cpu_groups) as cpu, MemWatch(web.worker_pids()) as mem, open(os.devnull, "wb") as sink:
+        t0 = time.perf_counter()
+        resp = requests.get(
+            f"{web.url}/v1/batches/{batch_id}/results",
+            headers={"Authorization": f"Bearer {key}"},
+            stream=True,
+            timeout=900,
+        )
+        ttfb = time.perf_counter() - t0
+        if resp.status_code != 200:
+            raise RuntimeError(f"GET results answered {resp.status_code}: {resp.text[:500]}")
+        for chunk in resp.iter_content(64 * 1024):
+            sink.write(chunk)
+            if len(head) < 32:
+                head += chunk[:32]
+            window = tail + chunk
+            count += window.count(marker)
+            tail = window[-(len(marker) - 1) :]
+            size += len(chunk)
+        elapsed = time.perf_counter() - t0
+    well_formed = head.startswith(b'{"results":[') and tail.endswith(b"]}")
+    return {
+        "seconds": elapsed,
+        "ttfb": ttfb,
+        "bytes": size,
+        "results": count,
+        "well_formed": well_formed,
+        "mem": mem.summary(),
+        "cpu": cpu.describe(count, "result"),
+    }
+
+
+def fetch_status(web: harness.Web, key: str, batch_id: str) -> dict:
+    with MemWatch(web.worker_pids()) as mem:
+        t0 = time.perf_counter()
+        resp = requests.get(f"{web.url}/v1/batches/{batch_id}", headers={"Authorization": f"Bearer {key}"}, timeout=600)
+        elapsed = time.perf_counter() - t0
+    if resp.status_code != 200:
+        raise RuntimeError(f"GET /v1/batches/{{id}} answered {resp.status_code}: {resp.text[:500]}")
+    body = resp.json()
+    return {"seconds": elapsed, "bytes": len(resp.content), "body": body, "mem": mem.summary()}
+
+
+def throughput(web, key, upstream, tmp: Path, n: int, latency_ms: float, item_bytes: int, cpu_groups: dict) -> dict:
+    from django.db.models import Max, Min
+
+    from batches.models import Item
+
+    upstream.configure(latency_ms)
+    upstream.reset_stats()
+    path = tmp / f"throughput-{latency_ms:g}ms.json"
+    write_native_body(path, n, item_bytes)
+    with harness.CpuWatch(cpu_groups) as cpu:
+        sub = submit(web, key, path, cpu_groups)
+        path.unlink()
+        ideal = n / SLOTS * latency_ms / 1000
+        wait_completed(sub["id"], timeout=max(600, ideal * 10))
+    status = fetch_status(web, key, sub["id"])["body"]
+    span = Item.objects.filter(batch_id=sub["id"]).aggregate(first=Min("started_at"), last=Max("finished_at"))
+    first, last = span["first"].timestamp(), span["last"].timestamp()
+    elapsed = _iso_ts(status["CompletedAt"]) - sub["t202"]
+    stats = upstream.stats()
+    return {
+        "n": n,
+        "latency_ms": latency_ms,
+        "submit_s": sub["seconds"],
+        "seconds": elapsed,
+        "rate": n / elapsed,
+        "steady_rate": n / (last - first) if last > first else float("nan"),
+        "first_start_s": first - sub["t202"],
+        "ceiling": SLOTS / (latency_ms / 1000) if latency_ms else None,
+        "counts": status["counts"],
+        "status": status["Status"],
+        "upstream_requests": stats["requests"],
+        "upstream_max_in_flight": stats["max_in_flight"],
+        "submit_mem": sub["mem"],
+        "id": sub["id"],
+        "cpu": cpu.describe(n, "item"),
+    }
+
+
+def openai_upload(web: harness.Web, key: str, tmp: Path, n: int, item_bytes: int) -> dict:
+    """`POST /v1/files` (multipart: file, purpose=batch) then `POST /v1/batches` from that file."""
+    auth = {"Authorization": f"Bearer {key}"}
+    try:
+        probe = requests.options(f"{web.url}/v1/files", headers=auth, timeout=30)
+        if probe.status_code == 404:
+            return {"skipped": "skipped: /v1/files not available (404)"}
+        path = tmp / "openai-batch.jsonl"
+        size = write_openai_jsonl(path, n, item_bytes)
+        body = MultipartFile({"purpose": "batch"}, "file", path, "application/jsonl")
+        try:
+            with MemWatch(web.worker_pids()) as mem:
+                t0 = time.perf_counter()
+                up = requests.post(
+                    f"{web.url}/v1/files", data=body, headers={**auth, "Content-Type": body.content_type}, timeout=900
+                )
+                t_upload = time.perf_counter() - t0
+                if up.status_code in (404, 405):
+                    return {"skipped": f"skipped: /v1/files not available ({up.status_code})"}
+                if not 200 <= up.status_code < 300:
+                    return {"skipped": f"failed: POST /v1/files answered {up.status_code}: {up.text[:300]}"}
+                file_id = up.json()["id"]
+                t1 = time.perf_counter()
+                created = requests.post(
+                    f"{web.url}/v1/batches",
+                    json={"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"},
+                    headers=auth,
+                    timeout=900,
+                )
+                t_create = time.perf_counter() - t1
+        finally:
+            body.close()
+            path.unlink(missing_ok=True)
+        if not 200 <= created.status_code < 300:
+            return {
+                "skipped": f"failed: POST /v1/batches (input_file_id) answered {created.status_code}: "
+                f"{created.text[:300]}"
+            }
+        batch = created.json()
+        return {
+            "bytes": size,
+            "upload_s": t_upload,
+            "create_s": t_create,
+            "file_id": file_id,
+            "batch_id": batch.get("id"),
+            "batch_status": batch.get("status"),
+            "total": (batch.get("request_counts") or {}).get("total"),
+            "mem": mem.summary(),
+        }
+    except (requests.RequestException, ValueError, KeyError) as exc:
+        return {"skipped": f"failed: {type(exc).__name__}: {exc}"}
+
+
+# --- the run -----------------------------------------------------------------------------------------
+
+
+def run() -> dict:
+    n = env_int("BENCH_ITEMS", 50_000)
+    item_bytes = env_int("BENCH_ITEM_BYTES", 650)
+    tp_n = env_int("BENCH_THROUGHPUT_ITEMS", 2_000)
+    latency = env_float("BENCH_LATENCY_MS", 100)
+    ceiling_n = env_int("BENCH_CEILING_ITEMS", 1_000)
+    via_worker = os.environ.get("BENCH_RESULTS_VIA_WORKER") == "1"
+    started = time.monotonic()
+    r: dict = {"n": n, "via_worker": via_worker}
+    with harness.Stack(db_name="relay_bench_batch", redis_db=env_int("BENCH_REDIS_DB_BATCH", 10)) as stack:
+        stack.keep_db = os.environ.get("BENCH_KEEP_DB") == "1"
+        log(f"fresh database {stack.db_name}, Redis db {stack.redis_db}; migrating")
+        stack.fresh()
+        upstream = stack.start_upstream(0)
+        key = harness.seed_catalog(upstream.url)
+        web = stack.start_web()
+        log(f"fake upstream {upstream.url}, relay {web.url} (gunicorn {' '.join(harness.GUNICORN_ARGS)})")
+        procs = {"web": web.proc}
+        cpu_groups = {
+            "web (gunicorn)": lambda: harness.process_tree(web.proc.popen.pid),
+            "worker (celery)": lambda: harness.process_tree(procs["worker"].popen.pid) if "worker" in procs else [],
+            "postgres": lambda: harness.pg_backends(stack.db_name),
+            "fake upstream": lambda: [upstream.proc.popen.pid],
+            "this client": lambda: [os.getpid()],
+        }
+        for _ in range(20):  # load every module in both gunicorn workers before the baselines
+            requests.get(f"{web.url}/v1/batches/0", headers={"Authorization": f"Bearer {key}"}, timeout=30)
+
+        # a. submission
+        body_path = stack.tmp / "native-batch.json"
+        r["body_bytes"] = write_native_body(body_path, n, item_bytes)
+        log(f"a. POST /v1/batches: {n} items, {r['body_bytes'] / harness.MiB:.1f} MiB, streamed from disk")
+        r["submit"] = submit(web, key, body_path, cpu_groups)
+        body_path.unlink()
+        batch_id = r["submit"]["id"]
+
+        # c. results of that batch
+        worker = None
+        if via_worker:
+            log(f"c. running the {n} items through the worker at 0 ms upstream latency")
+            worker = procs["worker"] = stack.start_worker()
+            t0 = time.time()
+            wait_completed(batch_id, timeout=6 * 3600)
+            r["prep"] = {"how": "worker", "seconds": time.time() - t0, "items": n}
+        else:
+            log(f"c. completing the {n} items in the database (storage.write_result + state update)")
+            r["prep"] = {"how": "db", **complete_in_db(batch_id)}
+        log("c. GET /v1/batches/{id}/results, streamed to /dev/null")
+        r["results"] = fetch_results(web, key, batch_id, cpu_groups)
+        st = fetch_status(web, key, batch_id)
+        r["status_view"] = {k: v for k, v in st.items() if k != "body"}
+
+        # b. throughput
+        if worker is None:
+            log("b. starting the Celery worker (-c 8, -B)")
+            worker = procs["worker"] = stack.start_worker()
+        log(f"b. throughput: {tp_n} items at {latency:g} ms upstream latency")
+        r["tp"] = throughput(web, key, upstream, stack.tmp, tp_n, latency, item_bytes, cpu_groups)
+        r["tp_results"] = fetch_results(web, key, r["tp"]["id"], cpu_groups)
+        if ceiling_n > 0:
+            log(f"b. worker ceiling: {ceiling_n} items at 0 ms upstream latency")
+            r["tp0"] = throughput(web, key, upstream, stack.tmp, ceiling_n, 0, item_bytes, cpu_groups)
+        worker.stop()
+        procs.pop("worker")
+
+        # d. OpenAI-compatible upload (no worker running: that batch is never executed)
+        if os.environ.get("BENCH_SKIP_OPENAI_UPLOAD") == "1":
+            r["openai"] = {"skipped": "skipped: BENCH_SKIP_OPENAI_UPLOAD=1"}
+        else:
+            log(f"d. OpenAI-compatible: {n}-record JSONL, POST /v1/files then POST /v1/batches")
+            r["openai"] = openai_upload(web, key, stack.tmp, n, item_bytes)
+    r["wall_s"] = time.monotonic() - started
+    print_report(r)
+    return r
+
+
+def print_report(r: dict) -> None:
+    n = r["n"]
+    print()
+    print(f"== Batch API (issue 4) — {harness.machine()}, {time.strftime('%Y-%m-%d %H:%M')}")
+    s = r["submit"]
+    print(f"a. submit {n:,} items ({r['body_bytes'] / harness.MiB:.1f} MiB) -> 202 in {s['seconds']:.2f} s")
+    print(f"   web memory: {fmt_mem(s['mem'])}; other worker at rest")
+    print(f"   {s['cpu']}")
+    p = r["prep"]
+    if p["how"] == "worker":
+        how = f"run through the worker at 0 ms upstream latency in {p['seconds']:.1f} s"
+        how += f" ({p['items'] / p['seconds']:.0f} items/s)"
+    else:
+        how = f"completed directly in the DB via storage.write_result in {p['seconds']:.1f} s (not a worker figure)"
+    print(f"c. results: the {n:,}-item batch was {how}")
+    res = r["results"]
+    mib = res["bytes"] / harness.MiB
+    print(
+        f"   GET /v1/batches/{{id}}/results: {res['results']:,} results, {mib:.1f} MiB in {res['seconds']:.2f} s "
+        f"(first byte {res['ttfb'] * 1000:.0f} ms, {mib / res['seconds']:.1f} MiB/s)"
+        + ("" if res["well_formed"] else " — NOT WELL FORMED")
+    )
+    print(f"   web memory: {fmt_mem(res['mem'])}")
+    print(f"   {res['cpu']}")
+    sv = r["status_view"]
+    print(
+        f"   (also GET /v1/batches/{{id}} of that batch: {sv['bytes'] / harness.MiB:.1f} MiB in {sv['seconds']:.2f} s, "
+        f"web memory +{sv['mem']['growth_mib']:.1f} MiB)"
+    )
+    t = r["tp"]
+    print(
+        f"b. throughput, {t['n']:,} items at {t['latency_ms']:g} ms upstream latency, 1 worker x {SLOTS} slots: "
+        f"{t['rate']:.1f} items/s = {t['rate'] / t['ceiling']:.2f} of the {t['ceiling']:.0f} items/s ceiling"
+    )
+    _print_tp_details(t)
+    tr = r["tp_results"]
+    print(
+        f"   (its results, {tr['results']:,} items: {tr['seconds']:.2f} s, web memory "
+        f"+{tr['mem']['growth_mib']:.1f} MiB; its submit: {t['submit_s']:.2f} s, web memory "
+        f"+{t['submit_mem']['growth_mib']:.1f} MiB)"
+    )
+    if "tp0" in r:
+        t0 = r["tp0"]
+        print(f"   worker ceiling, {t0['n']:,} items at 0 ms upstream latency: {t0['rate']:.1f} items/s")
+        _print_tp_details(t0)
+    o = r["openai"]
+    if "skipped" in o:
+        print(f"d. OpenAI-compatible {n:,}-record JSONL upload + create: {o['skipped']}")
+    else:
+        print(
+            f"d. OpenAI-compatible {n:,}-record JSONL ({o['bytes'] / harness.MiB:.1f} MiB): POST /v1/files "
+            f"{o['upload_s']:.2f} s + POST /v1/batches {o['create_s']:.2f} s = {o['upload_s'] + o['create_s']:.2f} s "
+            f"(batch {o['batch_id']}, status {o['batch_status']}, total {o['total']})"
+        )
+        print(f"   web memory: {fmt_mem(o['mem'])}")
+    print(f"benchmark wall time {r['wall_s']:.0f} s; memory = RSS of the gunicorn worker that served the request")
+    print()
+
+
+def _print_tp_details(t: dict) -> None:
+    counts = ", ".join(f"{k} {v}" for k, v in sorted(t["counts"].items()))
+    print(
+        f"   202 -> CompletedAt {t['seconds']:.1f} s (first item started {t['first_start_s']:.2f} s after the 202; "
+        f"first start -> last finish {t['steady_rate']:.1f} items/s); items: {counts}; status {t['status']}; "
+        f"upstream saw {t['upstream_requests']} requests, at most {t['upstream_max_in_flight']} in flight"
+    )
+    print(f"   {t['cpu']}")
+
+
+if __name__ == "__main__":
+    run()

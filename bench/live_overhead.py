@@ -1,0 +1,199 @@
+"""Issue 3: the relay's overhead per live request against a direct call to the same fake upstream.
+
+    .venv/bin/python -m bench.live_overhead          (or: make bench, which runs every benchmark)
+
+Starts, on loopback only: the fake upstream (bench/fake_upstream.py, its own process, 0 ms delay by
+default), the relay web server as in production (gunicorn relay.wsgi, 2 workers x 8 threads) on a fresh
+PostgreSQL database `relay_bench` (dropped and migrated each run) and Redis db 9 (BENCH_REDIS_DB_LIVE;
+flushed; a db holding someone else's keys is refused), and seeds a
+catalog: a policy with a rate limit on every meter (far above what the run spends), one host key, a
+priced binding.
+
+Then, from this process, with one keep-alive requests.Session per target:
+1. sequential: after a warm-up, N pairs of POST /v1/chat/completions, alternating relay and direct so
+   that drift in the machine's load hits both alike; median and p99 of each, and of the per-pair
+   difference (relay - direct = the relay's overhead);
+2. throughput: 8 client threads for a fixed time against each target; requests/s.
+
+Knobs (environment): BENCH_LIVE_N (500), BENCH_LIVE_WARMUP (50), BENCH_LIVE_CONCURRENCY (8),
+BENCH_LIVE_SECONDS (5), BENCH_LIVE_UPSTREAM_DELAY_MS (0).
+Prints figures; asserts nothing about timings.
+"""
+
+import os
+import threading
+import time
+
+import requests
+
+from bench import harness
+from bench.harness import env_float, env_int, log, percentile
+
+
+def _post(session: requests.Session, url: str, headers: dict, body: dict) -> float:
+    t0 = time.perf_counter()
+    resp = session.post(url, json=body, headers=headers, timeout=60)
+    elapsed = time.perf_counter() - t0
+    if resp.status_code != 200:
+        raise RuntimeError(f"POST {url} answered {resp.status_code}: {resp.text[:500]}")
+    return elapsed
+
+
+def _throughput(url: str, headers: dict, body: dict, threads: int, seconds: float) -> dict:
+    counts = [0] * threads
+    errors = [0] * threads
+    latencies: list[list[float]] = [[] for _ in range(threads)]
+    start = threading.Barrier(threads + 1)
+    stop_at = [0.0]
+
+    def run(n: int) -> None:
+        with requests.Session() as s:
+            _post(s, url, headers, body)  # open the connection before the clock starts
+            start.wait()
+            while time.perf_counter() < stop_at[0]:
+                t0 = time.perf_counter()
+                try:
+                    r = s.post(url, json=body, headers=headers, timeout=60)
+                    ok = r.status_code == 200
+                except requests.RequestException:
+                    ok = False
+                if ok:
+                    counts[n] += 1
+                    latencies[n].append(time.perf_counter() - t0)
+                else:
+                    errors[n] += 1
+
+    workers = [threading.Thread(target=run, args=(n,), daemon=True) for n in range(threads)]
+    for w in workers:
+        w.start()
+    stop_at[0] = time.perf_counter() + 3600  # set for real once every thread is connected
+    start.wait()
+    t0 = time.perf_counter()
+    stop_at[0] = t0 + seconds
+    for w in workers:
+        w.join()
+    elapsed = time.perf_counter() - t0
+    lat = [x for xs in latencies for x in xs]
+    return {
+        "rps": sum(counts) / elapsed,
+        "requests": sum(counts),
+        "errors": sum(errors),
+        "median_ms": percentile(lat, 50) * 1000,
+        "p99_ms": percentile(lat, 99) * 1000,
+    }
+
+
+def cpu_groups(stack: harness.Stack, web: harness.Web, upstream: harness.Upstream) -> dict:
+    return {
+        "web (gunicorn)": lambda: harness.process_tree(web.proc.popen.pid),
+        "postgres": lambda: harness.pg_backends(stack.db_name),
+        "fake upstream": lambda: [upstream.proc.popen.pid],
+        "this client": lambda: [os.getpid()],
+    }
+
+
+def run() -> dict:
+    n = env_int("BENCH_LIVE_N", 500)
+    warmup = env_int("BENCH_LIVE_WARMUP", 50)
+    conc = env_int("BENCH_LIVE_CONCURRENCY", 8)
+    seconds = env_float("BENCH_LIVE_SECONDS", 5)
+    delay_ms = env_float("BENCH_LIVE_UPSTREAM_DELAY_MS", 0)
+    started = time.monotonic()
+    with harness.Stack(db_name="relay_bench", redis_db=env_int("BENCH_REDIS_DB_LIVE", 9)) as stack:
+        log(f"fresh database {stack.db_name}, Redis db {stack.redis_db}; migrating")
+        stack.fresh()
+        upstream = stack.start_upstream(delay_ms)
+        relay_key = harness.seed_catalog(upstream.url)
+        web = stack.start_web()
+        gunicorn = " ".join(harness.GUNICORN_ARGS)
+        log(f"fake upstream {upstream.url} ({delay_ms:g} ms), relay {web.url} (gunicorn {gunicorn})")
+
+        body = harness.chat_body(1)
+        direct_body = dict(body, model=harness.UPSTREAM_MODEL)  # what the relay sends upstream
+        relay_url, relay_headers = f"{web.url}/v1/chat/completions", {"Authorization": f"Bearer {relay_key}"}
+        direct_url, direct_headers = (
+            f"{upstream.url}/v1/chat/completions",
+            {"Authorization": f"Bearer {harness.UPSTREAM_KEY}"},
+        )
+
+        relay_s, direct_s = requests.Session(), requests.Session()
+        log(f"sequential: {warmup} warm-up pairs, then {n} pairs (relay, direct alternating)")
+        for _ in range(warmup):
+            _post(relay_s, relay_url, relay_headers, body)
+            _post(direct_s, direct_url, direct_headers, direct_body)
+        relay_t, direct_t = [], []
+        with harness.CpuWatch(cpu_groups(stack, web, upstream)) as seq_cpu:
+            for _ in range(n):
+                relay_t.append(_post(relay_s, relay_url, relay_headers, body))
+                direct_t.append(_post(direct_s, direct_url, direct_headers, direct_body))
+        relay_s.close()
+        direct_s.close()
+        diff = [r - d for r, d in zip(relay_t, direct_t, strict=True)]
+
+        log(f"throughput: {conc} threads x {seconds:g} s per target")
+        direct_tp = _throughput(direct_url, direct_headers, direct_body, conc, seconds)
+        with harness.CpuWatch(cpu_groups(stack, web, upstream)) as tp_cpu:
+            relay_tp = _throughput(relay_url, relay_headers, body, conc, seconds)
+
+        from usage.models import UsageEvent
+
+        events = UsageEvent.objects.filter(source="live").count()
+        expected = warmup + n + relay_tp["requests"] + relay_tp["errors"] + conc
+    ms = 1000.0
+    result = {
+        "n": n,
+        "delay_ms": delay_ms,
+        "relay_median": percentile(relay_t, 50) * ms,
+        "relay_p99": percentile(relay_t, 99) * ms,
+        "direct_median": percentile(direct_t, 50) * ms,
+        "direct_p99": percentile(direct_t, 99) * ms,
+        "overhead_median": percentile(diff, 50) * ms,
+        "overhead_p99": percentile(diff, 99) * ms,
+        "relay_tp": relay_tp,
+        "direct_tp": direct_tp,
+        "conc": conc,
+        "seconds": seconds,
+        "events": events,
+        "events_expected": expected,
+        "wall_s": time.monotonic() - started,
+        "seq_cpu": seq_cpu.describe(n, "pair (web, postgres: the relay call; upstream, client: both calls)"),
+        "tp_cpu": tp_cpu.describe(relay_tp["requests"] + conc, "relay request"),
+    }
+    print_report(result)
+    return result
+
+
+def print_report(r: dict) -> None:
+    print()
+    print(f"== Live overhead (issue 3) — {harness.machine()}, {time.strftime('%Y-%m-%d %H:%M')}")
+    print(
+        f"POST /v1/chat/completions, fake upstream at {r['delay_ms']:g} ms; sequential: {r['n']} requests each, "
+        "one keep-alive session per target"
+    )
+    print(
+        harness.table(
+            ["sequential latency", "median ms", "p99 ms"],
+            [
+                ["direct to fake upstream", f"{r['direct_median']:.2f}", f"{r['direct_p99']:.2f}"],
+                ["through the relay", f"{r['relay_median']:.2f}", f"{r['relay_p99']:.2f}"],
+                ["relay overhead (per-pair difference)", f"{r['overhead_median']:.2f}", f"{r['overhead_p99']:.2f}"],
+            ],
+        )
+    )
+    print(r["seq_cpu"])
+    print()
+    rows = []
+    for label, t in (("direct to fake upstream", r["direct_tp"]), ("through the relay", r["relay_tp"])):
+        rows.append([label, f"{t['rps']:.0f}", f"{t['median_ms']:.2f}", f"{t['p99_ms']:.2f}", t["errors"]])
+    headers = [f"concurrency {r['conc']}, {r['seconds']:g} s", "requests/s", "median ms", "p99 ms", "errors"]
+    print(harness.table(headers, rows))
+    print(f"relay at concurrency {r['conc']}: {r['tp_cpu']}")
+    print(
+        f"usage events recorded (source=live): {r['events']} of {r['events_expected']} relay requests; "
+        f"benchmark wall time {r['wall_s']:.0f} s"
+    )
+    print()
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# `make bench`: the benchmark suite (bench/README.md). It prints figures; it never asserts timings.
+# Sets up .venv, makes sure PostgreSQL and Redis answer on localhost, then runs
+#   bench/live_overhead.py  — issue 3: relay overhead per live request vs a direct call
+#   bench/batch.py          — issue 4: 50,000-item submit, batch throughput, 50,000-result fetch
+# Each benchmark uses its own PostgreSQL database (relay_bench, relay_bench_batch: dropped and
+# recreated each run, dropped at the end) and Redis db (9, 10: flushed at start and end), and stops
+# every process it started, also on Ctrl-C. About 7-8 minutes at the defaults on a 2-core machine.
+#
+# Knobs (environment; defaults in brackets). To scale down for a quick look:
+#   BENCH_ITEMS=5000 BENCH_THROUGHPUT_ITEMS=500 BENCH_CEILING_ITEMS=200 BENCH_LIVE_N=200 make bench
+#
+#   BENCH_ONLY                [live,batch] run one of them only: BENCH_ONLY=batch
+#   BENCH_ITEMS               [50000] items of the native submission, the results fetch and the JSONL upload
+#   BENCH_ITEM_BYTES          [650]   size of one request (50,000 x 650 B = a 31 MiB body)
+#   BENCH_THROUGHPUT_ITEMS    [2000]  items of the throughput batch, at BENCH_LATENCY_MS
+#   BENCH_LATENCY_MS          [100]   fake-upstream latency of the throughput batch
+#   BENCH_CEILING_ITEMS       [1000]  items of the 0 ms batch (the worker's own ceiling); 0 skips it
+#   BENCH_SKIP_OPENAI_UPLOAD  [0]     1 skips the OpenAI-compatible JSONL upload + create figure
+#   BENCH_RESULTS_VIA_WORKER  [0]     1 runs the 50,000 items through the worker (0 ms) instead of
+#                                     completing them in the database before the results fetch (slow)
+#   BENCH_KEEP_DB             [0]     1 keeps relay_bench_batch after the run, for inspection
+#   BENCH_LIVE_N              [500]   sequential request pairs (relay, direct) of the live benchmark
+#   BENCH_LIVE_WARMUP         [50]    warm-up pairs
+#   BENCH_LIVE_CONCURRENCY    [8]     client threads of the requests/s figure
+#   BENCH_LIVE_SECONDS        [5]     duration of the requests/s figure, per target
+#   BENCH_LIVE_UPSTREAM_DELAY_MS [0]  fake-upstream latency of the live benchmark
+#   BENCH_PG_URL              [postgres://postgres:postgres@127.0.0.1:5432]
+#   BENCH_REDIS_URL           [redis://127.0.0.1:6379]
+#   BENCH_REDIS_DB_LIVE       [9]     Redis dbs of the two benchmarks; a db holding someone else's keys
+#   BENCH_REDIS_DB_BATCH      [10]    (e.g. a test run) is refused, never flushed
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/venv.sh requirements-dev.txt
+bash scripts/services.sh
+
+only=",${BENCH_ONLY:-live,batch},"
+start=$SECONDS
+failed=()
+if [[ $only == *,live,* ]]; then
+  .venv/bin/python -m bench.live_overhead || failed+=(live_overhead)
+fi
+if [[ $only == *,batch,* ]]; then
+  .venv/bin/python -m bench.batch || failed+=(batch)
+fi
+commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+echo "make bench: $((SECONDS - start)) s in all, at commit $commit"
+if ((${#failed[@]})); then
+  echo "make bench: failed: ${failed[*]}" >&2
+  exit 1
+fi
