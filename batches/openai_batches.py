@@ -4,10 +4,11 @@ Same Batch and Item rows and the same execution path as the native surface
 (batches/services.py: claim, run_item, _finish, heartbeat, sweep). This module
 decides only how an OpenAI batch is created and how it moves through its
 lifecycle; records are validated in the background (batches/validation.py)
-and results are written as files at the end (batches/finalize.py).
+and results are written as files at the end (batches/finalize.py). A record's
+relay-owned `openrelay` key is split off in services (batches/tools/config.py)
+before any model sees the body.
 
-Hooks called from services.py: `upstream_body` (before dispatch),
-`with_batch_price` (the usage event), `items_done` (every item is final),
+Hooks called from services.py: `with_batch_price` (the usage event), `items_done` (every item is final),
 `cancel` and `sweep`.
 """
 
@@ -303,19 +304,6 @@ def _redispatch(task_name: str, batch_id) -> None:
 
 
 # --- hooks from the shared execution path ----------------------------------------------------
-
-
-def upstream_body(body: dict) -> dict:
-    """The record body as the upstream gets it.
-
-    The `openrelay` key carries OpenRelay request extensions (tool_config; spec
-    003). Executing them is the tool-calling issue's job; until then the key is
-    removed here, before every dispatch, so it never reaches a provider. The
-    stored record keeps it intact.
-    """
-    if "openrelay" not in body:
-        return body
-    return {k: v for k, v in body.items() if k != "openrelay"}
 
 
 def discounted(cost_nano_usd: int, percent: int) -> int:

@@ -14,6 +14,7 @@ import socket
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 
 import uuid6
 from django.conf import settings
@@ -21,11 +22,13 @@ from django.db import connection, transaction
 from django.db.models import Count, F, Q
 from django.utils import timezone
 
-from batches import ingest, storage
+from batches import ingest, openai_batches, storage
 from batches.models import CLAIMABLE_STATUSES, Batch, BatchStatus, Item, ItemState, Shape, Surface
+from batches.tools import config as tools_config
+from batches.tools.loop import run_tool_loop
 from policies.models import Policy
 from relay import auth, pipeline
-from relay.errors import AuthError, RelayError
+from relay.errors import RelayError
 from usage.services import record_event
 
 log = logging.getLogger(__name__)
@@ -277,19 +280,20 @@ def run_item(item: Item) -> None:
     principal = auth.Principal.from_dict(batch.principal)
     deadline = started + settings.RELAY_BATCH_ITEM_DEADLINE_SECONDS
     with Heartbeat(item) as hb:
-        outcome, failure = _execute(batch, item, principal, deadline, hb)
+        run = _execute(batch, item, principal, deadline, hb)
+    outcome, failure = run.outcome, run.failure
     if hb.stop_reason == "lease_lost":
         log.warning("item %s lost its lease; dropping this attempt's result", item.pk)
         return
     if hb.stop_reason == "cancelled" and (failure or (outcome and not outcome.ok)):
-        _finish(item, ItemState.CANCELLED, error="batch: cancelled", outcome=outcome)
+        _finish(item, ItemState.CANCELLED, error="batch: cancelled", outcome=outcome, events=run.events)
         return
     if failure is not None:
-        _finish(item, ItemState.DISCARDED, error=failure, outcome=outcome)
+        _finish(item, ItemState.DISCARDED, error=failure, outcome=outcome, error_code=run.error_code, events=run.events)
         return
     if outcome.ok:
         ref = storage.write_result(str(batch.id), str(item.pk), outcome.body)
-        _finish(item, ItemState.COMPLETED, outcome=outcome, result_ref=ref)
+        _finish(item, ItemState.COMPLETED, outcome=outcome, result_ref=ref, events=run.events)
         return
     error_body = outcome.body[:ERROR_BODY_LIMIT].decode("utf-8", errors="replace")
     if outcome.origin == "upstream":
@@ -297,55 +301,106 @@ def run_item(item: Item) -> None:
     else:
         message = f"batch item: {outcome.error.message}" if outcome.error else "batch item: failed"
         error_body = ""
-    _finish(item, ItemState.DISCARDED, error=message, outcome=outcome, error_body=error_body)
+    _finish(item, ItemState.DISCARDED, error=message, outcome=outcome, error_body=error_body, events=run.events)
 
 
-def _execute(batch: Batch, item: Item, principal, deadline: float, hb: Heartbeat):
-    """Return (pipeline outcome or None, failure message or None)."""
+@dataclass
+class _Run:
+    """What executing an item came to.
+
+    `events`: the usage events of every model invocation when there were
+    several (tool calling); None means "the outcome's own event, if any".
+    """
+
+    outcome: pipeline.Outcome | None = None
+    failure: str | None = None
+    error_code: str = ""
+    events: list[dict] | None = None
+
+
+def _execute(batch: Batch, item: Item, principal, deadline: float, hb: Heartbeat) -> _Run:
     try:
         auth.recheck(principal)
-    except AuthError as exc:
-        return None, f"batch: credential no longer valid: {exc.message}"
-    except RelayError as exc:
-        return None, f"batch: credential no longer valid: {exc.message}"
+    except RelayError as exc:  # AuthError, or the token's project is gone
+        return _Run(failure=f"batch: credential no longer valid: {exc.message}")
     policy = Policy.objects.filter(pk=batch.policy_id).first() if batch.policy_id else None
     if policy is None or not policy.enabled:
-        return None, "batch: policy_unavailable"
+        return _Run(failure="batch: policy_unavailable")
     try:
         body = json.loads(storage.read(item.input_ref))
     except storage.PayloadMissing as exc:
-        return None, f"batch: load input: {exc}"
+        return _Run(failure=f"batch: load input: {exc}")
     except ValueError as exc:
-        return None, f"batch: load input: stored item is not JSON: {exc}"
+        return _Run(failure=f"batch: load input: stored item is not JSON: {exc}")
     if not isinstance(body, dict):
-        return None, "batch: parse model: item is not a JSON object"
+        return _Run(failure="batch: parse model: item is not a JSON object")
     if body.get("stream") is True:
-        return None, "batch: stream is not supported in batch items; the response is stored whole (unset stream)"
-    if batch.surface == Surface.OPENAI:
-        from batches import openai_batches
-
-        body = openai_batches.upstream_body(body)
-    outcome = pipeline.dispatch(
-        pipeline.Call(
-            path=batch.endpoint or SHAPE_PATH[batch.inbound_shape],  # an OpenAI batch calls its endpoint
-            body=body,
-            principal=principal,
-            source="batch",
-            request_id=str(item.pk),
-            deadline=deadline,
-            cancel=hb.should_stop,
-            batch_id=str(batch.id),
-            required_adapter=batch.inbound_shape,
+        return _Run(
+            failure="batch: stream is not supported in batch items; the response is stored whole (unset stream)"
         )
-    )
+    path = batch.endpoint or SHAPE_PATH[batch.inbound_shape]  # an OpenAI batch calls its endpoint
+
+    def invoke(model_body: dict, round_no: int) -> pipeline.Outcome:
+        return pipeline.dispatch(
+            pipeline.Call(
+                path=path,
+                body=model_body,
+                principal=principal,
+                source="batch",
+                # One usage event per model invocation: the item's id, then id:1, id:2 … per tool round.
+                request_id=str(item.pk) if round_no == 0 else f"{item.pk}:{round_no}",
+                deadline=deadline,
+                cancel=hb.should_stop,
+                batch_id=str(batch.id),
+                required_adapter=batch.inbound_shape,
+            )
+        )
+
+    if batch.surface == Surface.OPENAI:
+        return _execute_openai_record(body, item, path, invoke, deadline, hb)
+    return _checked(invoke(body, 0))
+
+
+def _execute_openai_record(body: dict, item: Item, path: str, invoke, deadline: float, hb: Heartbeat) -> _Run:
+    """An OpenAI record: the relay-owned `openrelay` key never reaches the model;
+    a chat record with `openrelay.tool_config` runs the tool loop (issue 6)."""
+    try:
+        model_body, tool_config = tools_config.extract(body)
+    except tools_config.ToolError as exc:  # validation catches these first; re-checked for safety
+        return _Run(failure=f"batch: {exc.code}: {exc.message}", error_code=exc.code)
+    if tool_config is None or path != "/v1/chat/completions":
+        return _checked(invoke(model_body, 0))
+    result = run_tool_loop(body, tool_config, item.custom_id, invoke, deadline=deadline, cancel=hb.should_stop)
+    events = [o.event for o in result.invocations]
+    if result.error is not None:
+        return _Run(
+            outcome=None,
+            failure=f"batch: {result.error.code}: {result.error.message}",
+            error_code=result.error.code,
+            events=events,
+        )
+    run = _checked(result.outcome)
+    run.events = events
+    return run
+
+
+def _checked(outcome: pipeline.Outcome) -> _Run:
     if outcome.error is not None and outcome.error.code == "timeout":
         limit = settings.RELAY_BATCH_ITEM_DEADLINE_SECONDS
-        return outcome, f"batch: item ran longer than {limit:g} seconds"
-    return outcome, None
+        return _Run(outcome=outcome, failure=f"batch: item ran longer than {limit:g} seconds", error_code="timeout")
+    return _Run(outcome=outcome)
 
 
 def _finish(
-    item: Item, state: str, *, error: str = "", outcome=None, result_ref: str = "", error_body: str = ""
+    item: Item,
+    state: str,
+    *,
+    error: str = "",
+    outcome=None,
+    result_ref: str = "",
+    error_body: str = "",
+    error_code: str = "",
+    events: list[dict] | None = None,
 ) -> bool:
     """Fenced final write + usage event in one transaction. False: the lease was lost."""
     with transaction.atomic():
@@ -358,19 +413,22 @@ def _finish(
             result_ref=result_ref,
             status_code=outcome.status if outcome is not None and outcome.origin == "upstream" else None,
             error=error[:1000],
+            error_code=error_code,
             error_body=error_body,
         )
         if not updated:
             return False
-        if outcome is not None:
-            event = dict(outcome.event)
-            if error and not event.get("error_kind"):
-                event["error_kind"] = "batch_item_failed"
-            from batches import openai_batches
-
-            record_event(**openai_batches.with_batch_price(item.batch_id, event))
-        else:
+        if events is None:
+            events = [outcome.event] if outcome is not None else []
+        if not events:
             record_event(**_event_without_dispatch(item, error))
+        for i, event in enumerate(events):
+            event = dict(event)
+            if i == len(events) - 1 and error and not event.get("error_kind"):
+                # The item failed after its last invocation answered (a tool failure, say).
+                event["error_kind"] = error_code or "batch_item_failed"
+                event["error_message"] = error[:500]
+            record_event(**openai_batches.with_batch_price(item.batch_id, event))
         _maybe_complete(item.batch_id)
     return True
 

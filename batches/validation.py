@@ -28,6 +28,7 @@ from django.utils import timezone
 
 from batches import bulk, ingest, services, storage
 from batches.models import Batch, BatchStatus, File, Item, ItemState, Surface
+from batches.tools import config as tools_config
 from usage.models import Source, UsageEvent
 
 # Report at most this many problems; a file broken on every line says so soon enough.
@@ -149,7 +150,7 @@ def _ingest(batch: Batch, source: File, writer) -> _Ingest:
                 "custom_id": record["custom_id"],
                 "input_ref": writer.add(idx, ingest.dumps(body)),
             }
-            failure = _record_failure(body)
+            failure = _record_failure(body, batch.endpoint)
             if failure is None:
                 result.available += 1
             else:
@@ -222,14 +223,18 @@ def _check(raw: bytes, line: int, endpoint: str, seen: dict) -> tuple[dict | Non
     return record, None
 
 
-def _record_failure(body: dict) -> tuple[str, str] | None:
+def _record_failure(body: dict, endpoint: str) -> tuple[str, str] | None:
     """(code, message) when this one record cannot run; the rest of the batch is unaffected."""
     if body.get("stream") is True:
         return "streaming_unsupported", 'Streaming is not supported in batches: remove "stream": true from the body.'
-    if "tool_config" in body:
+    try:
+        _, tool_config = tools_config.extract(body)  # tool_config_moved / invalid_tool_config
+    except tools_config.ToolError as exc:
+        return exc.code, exc.message
+    if tool_config is not None and endpoint != "/v1/chat/completions":
         return (
-            "tool_config_moved",
-            "A top-level tool_config is the retired spelling of the extension: move it to body.openrelay.tool_config.",
+            tools_config.INVALID_TOOL_CONFIG,
+            f"openrelay.tool_config is only for /v1/chat/completions records, not {endpoint}.",
         )
     return None
 

@@ -190,3 +190,10 @@ RELAY_BATCH_COMPLETION_WINDOW_SECONDS = env.int("RELAY_BATCH_COMPLETION_WINDOW_S
 RELAY_BATCH_DISCOUNT_PERCENT = env.int("RELAY_BATCH_DISCOUNT_PERCENT", default=50)
 if not 0 <= RELAY_BATCH_DISCOUNT_PERCENT <= 100:
     raise ImproperlyConfigured("RELAY_BATCH_DISCOUNT_PERCENT must be between 0 and 100")
+
+# --- Tool executors (batch tool calling) -------------------------------------
+# TEST-ONLY. Never set this in production. A path to a CA bundle: when set, tool
+# executors on loopback (127.0.0.0/8, ::1) are allowed and are verified against
+# this CA alone, so the test suite can run real HTTPS executors on 127.0.0.1.
+# Empty (the default) keeps loopback refused like every other internal address.
+RELAY_TOOL_EXECUTOR_TEST_LOOPBACK_CA = env.str("RELAY_TOOL_EXECUTOR_TEST_LOOPBACK_CA", default="")
