@@ -91,7 +91,8 @@ def test_mcp_executor_inside_a_batch(sdk, fake, mcp_server):
 
 
 def test_tool_failures_fail_only_their_record_with_a_code(sdk, fake, executor):
-    fake.script("*", [tool_turn(("call_1", "add", {"a": 1, "b": 1}))])
+    # Both model calls ("broken-executor" and "plain" run concurrently, in either order) get a tool turn.
+    fake.script("*", [tool_turn(("call_1", "add", {"a": 1, "b": 1})) for _ in range(2)])
     executor.script([Step(status=500, body={"detail": "boom"})])
     records = [
         record("broken-executor", {"url": executor.url()}),
