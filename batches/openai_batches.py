@@ -311,13 +311,10 @@ def discounted(cost_nano_usd: int, percent: int) -> int:
     return cost_nano_usd * (100 - percent) // 100
 
 
-def with_batch_price(batch_id, event: dict) -> dict:
+def with_batch_price(event: dict, percent: int) -> dict:
     """Add billed_cost_nano_usd to an item's usage event when its batch has a discount."""
     cost = event.get("cost_nano_usd")
-    if cost is None:
-        return event
-    percent = Batch.objects.filter(pk=batch_id).values_list("discount_percent", flat=True).first()
-    if not percent:
+    if cost is None or not percent:
         return event
     return dict(event, billed_cost_nano_usd=discounted(cost, percent))
 

@@ -149,42 +149,44 @@ def claim(owner: str) -> Item | None:
     running = dict(
         Item.objects.filter(state=ItemState.RUNNING).values_list("batch_id").annotate(n=Count("id")).order_by()
     )
-    active = list(Batch.objects.filter(status__in=CLAIMABLE_STATUSES).values_list("id", "created_at"))
+    active = list(Batch.objects.filter(status__in=CLAIMABLE_STATUSES).values_list("id", "created_at", "status"))
     active.sort(key=lambda b: (running.get(b[0], 0), b[1]))
-    for batch_id, _ in active[:20]:
+    for batch_id, _, status in active[:20]:
         item = _claim_in_batch(batch_id, owner)
         if item is not None:
+            if status == BatchStatus.QUEUED:
+                Batch.objects.filter(pk=batch_id, status=BatchStatus.QUEUED).update(status=BatchStatus.RUNNING)
             return item
     return None
 
 
+# PostgreSQL: one autocommitted statement; SKIP LOCKED makes concurrent claimers
+# pass over each other's row instead of queueing on it.
+_CLAIM_SQL = """
+UPDATE batches_item SET state = 'running', attempt = attempt + 1, lease_owner = %s,
+       lease_expires_at = %s, started_at = %s
+WHERE id = (SELECT id FROM batches_item WHERE batch_id = %s AND state = 'available'
+            ORDER BY idx LIMIT 1 FOR UPDATE SKIP LOCKED)
+RETURNING *
+"""
+
+
 def _claim_in_batch(batch_id, owner: str) -> Item | None:
-    lease = timezone.now() + timezone.timedelta(seconds=settings.RELAY_BATCH_LEASE_SECONDS)
     now = timezone.now()
-    with transaction.atomic():
-        qs = Item.objects.filter(batch_id=batch_id, state=ItemState.AVAILABLE).order_by("idx")
-        if connection.vendor == "postgresql":
-            qs = qs.select_for_update(skip_locked=True)
-        item = qs.first()
-        if item is None:
-            return None
-        # Conditional: zero rows means someone else has it (SQLite has no SKIP LOCKED).
-        updated = Item.objects.filter(pk=item.pk, state=ItemState.AVAILABLE).update(
-            state=ItemState.RUNNING,
-            attempt=item.attempt + 1,
-            lease_owner=owner,
-            lease_expires_at=lease,
-            started_at=now,
-        )
-        if not updated:
-            return None
-        Batch.objects.filter(pk=batch_id, status=BatchStatus.QUEUED).update(status=BatchStatus.RUNNING)
-    item.state, item.attempt, item.lease_owner, item.lease_expires_at = (
-        ItemState.RUNNING,
-        item.attempt + 1,
-        owner,
-        lease,
+    lease = now + timezone.timedelta(seconds=settings.RELAY_BATCH_LEASE_SECONDS)
+    if connection.vendor == "postgresql":
+        return next(iter(Item.objects.raw(_CLAIM_SQL, [owner, lease, now, batch_id])), None)
+    # SQLite (embedded mode) serialises writers; the conditional UPDATE is the claim.
+    item = Item.objects.filter(batch_id=batch_id, state=ItemState.AVAILABLE).order_by("idx").first()
+    if item is None:
+        return None
+    updated = Item.objects.filter(pk=item.pk, state=ItemState.AVAILABLE).update(
+        state=ItemState.RUNNING, attempt=item.attempt + 1, lease_owner=owner, lease_expires_at=lease, started_at=now
     )
+    if not updated:
+        return None
+    item.state, item.lease_owner, item.lease_expires_at = ItemState.RUNNING, owner, lease
+    item.attempt += 1
     return item
 
 
@@ -273,10 +275,25 @@ def _beater() -> _Beater:
         return _beater_instance
 
 
+_batch_cache: dict = {}
+
+
+def _batch(batch_id) -> Batch:
+    """The batch of an item. Only fields fixed at submit are read through this
+    cache (attribution, shape, endpoint, policy id, discount); state and the
+    cancel flag are always read from the database."""
+    batch = _batch_cache.get(batch_id)
+    if batch is None:
+        if len(_batch_cache) >= 256:
+            _batch_cache.clear()
+        batch = _batch_cache[batch_id] = Batch.objects.get(pk=batch_id)
+    return batch
+
+
 def run_item(item: Item) -> None:
     """Run one claimed item to a final state. Never raises for item-level failures."""
     started = time.monotonic()
-    batch = Batch.objects.get(pk=item.batch_id)
+    batch = _batch(item.batch_id)
     principal = auth.Principal.from_dict(batch.principal)
     deadline = started + settings.RELAY_BATCH_ITEM_DEADLINE_SECONDS
     with Heartbeat(item) as hb:
@@ -323,7 +340,7 @@ def _execute(batch: Batch, item: Item, principal, deadline: float, hb: Heartbeat
         auth.recheck(principal)
     except RelayError as exc:  # AuthError, or the token's project is gone
         return _Run(failure=f"batch: credential no longer valid: {exc.message}")
-    policy = Policy.objects.filter(pk=batch.policy_id).first() if batch.policy_id else None
+    policy = Policy.objects.select_related("rate_limit").filter(pk=batch.policy_id).first() if batch.policy_id else None
     if policy is None or not policy.enabled:
         return _Run(failure="batch: policy_unavailable")
     try:
@@ -353,6 +370,7 @@ def _execute(batch: Batch, item: Item, principal, deadline: float, hb: Heartbeat
                 cancel=hb.should_stop,
                 batch_id=str(batch.id),
                 required_adapter=batch.inbound_shape,
+                policy=policy,
             )
         )
 
@@ -421,14 +439,15 @@ def _finish(
         if events is None:
             events = [outcome.event] if outcome is not None else []
         if not events:
-            record_event(**_event_without_dispatch(item, error))
+            record_event(**_event_without_dispatch(item, error), fetch=False)
+        percent = _batch(item.batch_id).discount_percent  # fixed at create
         for i, event in enumerate(events):
             event = dict(event)
             if i == len(events) - 1 and error and not event.get("error_kind"):
                 # The item failed after its last invocation answered (a tool failure, say).
                 event["error_kind"] = error_code or "batch_item_failed"
                 event["error_message"] = error[:500]
-            record_event(**openai_batches.with_batch_price(item.batch_id, event))
+            record_event(**openai_batches.with_batch_price(event, percent), fetch=False)
         _maybe_complete(item.batch_id)
     return True
 

@@ -21,7 +21,6 @@ from relay import adapters, routing, upstream
 from relay.auth import Principal
 from relay.crypto import SecretUnavailable, sha256_hex
 from relay.errors import RelayError
-from relay.models import Project, Team
 from usage.pricing import cost_nano_usd
 from usage.tokens import Tokens, parse_usage
 
@@ -42,6 +41,8 @@ class Call:
     batch_id: str = ""
     # Batch shape gate: the binding's adapter must equal this (None for live).
     required_adapter: str | None = None
+    # The governing policy when the caller has loaded it already (a batch item checks it first).
+    policy: object | None = None
 
 
 @dataclass
@@ -84,7 +85,7 @@ def dispatch(call: Call) -> Outcome:
 
 
 def _dispatch(call: Call, ctx: dict, started: float) -> Outcome:
-    policy = routing.load_policy(call.principal.policy_id)
+    policy = call.policy or routing.load_policy(call.principal.policy_id)
     route = routing.resolve(policy, call.body.get("model"))
     ctx["route"] = route
     path = _check_shape(call, route)
@@ -321,8 +322,8 @@ def _finish(
         "project_id": p.project_id,
         "team_id": p.team_id,
         "policy_id": p.policy_id,
-        "project": _name(Project, p.project_id),
-        "team": _name(Team, p.team_id),
+        "project": p.project_name,
+        "team": p.team_name,
         "policy": route.policy.name if route else "",
         "model": route.model.name if route else str(call.body.get("model", ""))[:200],
         "provider": route.model.provider if route else "",
@@ -338,9 +339,3 @@ def _finish(
     return Outcome(
         status=status, body=body, headers=headers, origin=origin, error=error, error_kind=error_kind, event=event
     )
-
-
-def _name(model, pk) -> str:
-    if pk is None:
-        return ""
-    return model.objects.filter(pk=pk).values_list("name", flat=True).first() or ""

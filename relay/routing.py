@@ -45,12 +45,15 @@ def resolve(policy: Policy, model_name) -> Route:
         raise RoutingError(403, "policy_disabled", f"policy {policy.name} is disabled")
     if not isinstance(model_name, str) or not model_name:
         raise RelayError(400, "invalid_request", "the request body needs a 'model' string")
-    model = LLMModel.objects.filter(name=model_name).first()
-    if model is None:
-        raise RoutingError(404, "model_not_found", f"model {model_name} does not exist")
-    bindings = list(model.bindings.select_related("host", "pricing").order_by("id"))
+    # One query for the model and its bindings; the model alone only on the error path.
+    bindings = list(
+        HostBinding.objects.filter(model__name=model_name).select_related("model", "host", "pricing").order_by("id")
+    )
     if not bindings:
+        if not LLMModel.objects.filter(name=model_name).exists():
+            raise RoutingError(404, "model_not_found", f"model {model_name} does not exist")
         raise RoutingError(503, "no_host_binding", f"model {model_name} has no host binding")
+    model = bindings[0].model
     allowed = [b for b in bindings if granted(policy.grants, model.provider, model.name, b.host.name)]
     if not allowed:
         raise RoutingError(403, "model_not_allowed", f"model {model_name} is not allowed by policy {policy.name}")

@@ -13,11 +13,13 @@ from usage.tokens import Tokens
 _ERROR_MESSAGE_MAX = UsageEvent._meta.get_field("error_message").max_length
 
 
-def record_event(*, tokens: Tokens | None = None, **fields) -> UsageEvent:
+def record_event(*, tokens: Tokens | None = None, fetch: bool = True, **fields) -> UsageEvent | None:
     """Record the event for `fields["request_id"]`, or return the one already recorded.
 
     `fields` are UsageEvent fields; `tokens`, when given, fills the four token
     columns. A long upstream error body is cut to fit rather than refused.
+    The request paths pass `fetch=False`: they never look at the row again, so
+    they skip reading it back (one query less per request and per item).
     """
     if not fields.get("request_id"):
         # "" would be a real key under the unique constraint and swallow every later event.
@@ -33,6 +35,8 @@ def record_event(*, tokens: Tokens | None = None, **fields) -> UsageEvent:
         fields["error_message"] = fields["error_message"][:_ERROR_MESSAGE_MAX]
     event = UsageEvent(**fields)
     UsageEvent.objects.bulk_create([event], ignore_conflicts=True)
+    if not fetch:
+        return None
     # Either ours or the first writer's; under READ COMMITTED this statement
     # sees a concurrent writer's row once its INSERT waited for it to commit.
     return UsageEvent.objects.get(request_id=event.request_id)

@@ -36,7 +36,7 @@ class InferenceView(APIView):
                 inbound_headers=dict(request.headers),
             )
         )
-        record_event(**outcome.event)
+        record_event(**outcome.event, fetch=False)
         response = HttpResponse(outcome.body, status=outcome.status, content_type="application/json")
         for name, value in outcome.headers.items():
             response[name] = str(value)
