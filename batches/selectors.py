@@ -37,8 +37,10 @@ def counts(batch: Batch) -> dict:
     return {state: n for state, n in rows}
 
 
-def status_view(batch: Batch) -> dict:
-    return {
+def iter_status_json(batch: Batch) -> Iterator[bytes]:
+    """The spec's status object; its `items` list (one entry per item, 50,000 at most)
+    is streamed in chunks so polling a large batch costs constant memory."""
+    head = {
         "ID": str(batch.id),
         "RelayKeyHash": batch.owner_hash,
         "PolicyID": str(batch.policy_id or ""),
@@ -54,14 +56,18 @@ def status_view(batch: Batch) -> dict:
         "CredentialKind": batch.credential_kind,
         "CredentialID": batch.credential_id,
         "counts": counts(batch),
-        "items": [
-            {"idx": idx, "state": state}
-            for idx, state in Item.objects.filter(batch=batch)
-            .order_by("idx")
-            .values_list("idx", "state")
-            .iterator(chunk_size=5000)
-        ],
     }
+    yield json.dumps(head)[:-1].encode() + b', "items": ['
+    rows = Item.objects.filter(batch=batch).order_by("idx").values_list("idx", "state").iterator(chunk_size=5000)
+    chunk, first = [], True
+    for idx, state in rows:
+        chunk.append(f'{{"idx": {idx}, "state": "{state}"}}')
+        if len(chunk) == 5000:
+            yield ("" if first else ", ").encode() + ", ".join(chunk).encode()
+            chunk, first = [], False
+    if chunk:
+        yield ("" if first else ", ").encode() + ", ".join(chunk).encode()
+    yield b"]}"
 
 
 def iter_results_json(batch: Batch) -> Iterator[bytes]:

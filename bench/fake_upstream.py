@@ -6,7 +6,6 @@ Binds 127.0.0.1 on a free port (port 0) and prints `READY http://127.0.0.1:<port
 Differences from the plain demo upstream, all for benchmarking:
 - every reply waits `delay` seconds (changeable at run time: POST /_bench/config {"delay_ms": 100});
 - it keeps no copy of the requests it saw (the test server records them all: 50,000 would grow memory);
-- TCP_NODELAY on its connections (see _BenchHandler);
 - a listen backlog of 512 (socketserver's default of 5 drops SYNs under bursts, which costs a 1 s retry);
 - GET /_bench/stats → {"requests", "max_in_flight", "in_flight"}; POST /_bench/reset zeroes them.
 It stays a ThreadingHTTPServer (one thread per connection), like the suite's fake.
@@ -39,9 +38,6 @@ class BenchUpstream(DemoUpstream):
 
 class _BenchHandler(_Handler):
     server: BenchUpstream
-    # The demo server writes the headers and the body in two send() calls; with Nagle on, the body
-    # waits for the client's delayed ACK (~40 ms on Linux). Real providers do not add that stall.
-    disable_nagle_algorithm = True
 
     def _json(self, status: int, obj: dict) -> None:
         payload = json.dumps(obj).encode()

@@ -185,6 +185,9 @@ class DemoUpstream(ThreadingHTTPServer):
 class _Handler(BaseHTTPRequestHandler):
     server: DemoUpstream
     protocol_version = "HTTP/1.1"
+    # Headers and body go out in two send() calls; with Nagle on, the body waits for
+    # the client's delayed ACK (~40 ms on Linux), a stall no real provider adds.
+    disable_nagle_algorithm = True
 
     def log_message(self, fmt, *args):  # keep test output quiet
         pass

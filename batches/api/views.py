@@ -77,7 +77,8 @@ class BatchDetailView(_SurfaceView):
         self.openai_errors = selectors.is_openai_batch_id(batch_id)
         principal = authenticate(request)
         if not self.openai_errors:
-            return JsonResponse(selectors.status_view(selectors.batch_for_owner(batch_id, principal)))
+            batch = selectors.batch_for_owner(batch_id, principal)
+            return StreamingHttpResponse(selectors.iter_status_json(batch), content_type="application/json")
         openai_batches.check_access(principal)
         return JsonResponse(serializers.batch(selectors.openai_batch_for_owner(batch_id, principal)))
 
