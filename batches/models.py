@@ -213,6 +213,38 @@ class Batch(models.Model):
         """The id the batch's surface shows: the UUID (native) or batch_<uuid hex> (OpenAI)."""
         return f"batch_{self.id.hex}" if self.surface == Surface.OPENAI else str(self.id)
 
+    @staticmethod
+    def attribution(principal) -> dict:
+        """The owner and attribution columns, fixed at submit from the authenticated principal."""
+        return {
+            "owner_hash": principal.owner_hash,
+            "policy_id": principal.policy_id,
+            "project_id": principal.project_id,
+            "team_id": principal.team_id,
+            "principal_kind": principal.principal_kind,
+            "principal_id": principal.principal_id,
+            "credential_kind": principal.credential_kind,
+            "credential_id": principal.credential_id,
+            "principal": principal.as_dict(),
+        }
+
+    def event_attribution(self) -> dict:
+        """Usage-event fields of an item that never reached the pipeline, from the submit-time principal."""
+        p = self.principal
+        return {
+            "source": "batch",
+            "batch_id": str(self.id),
+            "credential_kind": p["credential_kind"],
+            "credential_id": p["credential_id"],
+            "principal_kind": p["principal_kind"],
+            "principal_id": p["principal_id"],
+            "project_id": p["project_id"],
+            "team_id": p["team_id"],
+            "policy_id": p["policy_id"],
+            "project": p.get("project_name", ""),
+            "team": p.get("team_name", ""),
+        }
+
 
 class Item(models.Model):
     id = models.UUIDField(primary_key=True)  # UUIDv7; also the usage event's request_id

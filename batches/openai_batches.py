@@ -114,15 +114,7 @@ def create(principal: Principal, submission: ingest.Submission, *, idempotency_k
                 discount_percent=settings.RELAY_BATCH_DISCOUNT_PERCENT,
                 idempotency_key=idempotency_key,
                 request_sha256=submission.sha256 if idempotency_key else "",
-                owner_hash=principal.owner_hash,
-                policy_id=principal.policy_id,
-                project_id=principal.project_id,
-                team_id=principal.team_id,
-                principal_kind=principal.principal_kind,
-                principal_id=principal.principal_id,
-                credential_kind=principal.credential_kind,
-                credential_id=principal.credential_id,
-                principal=principal.as_dict(),
+                **Batch.attribution(principal),
             )
             transaction.on_commit(lambda: enqueue("validate_openai_batch", batch_id))
     except BaseException as exc:

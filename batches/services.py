@@ -22,7 +22,7 @@ from django.db import connection, transaction
 from django.db.models import Count, F, Q
 from django.utils import timezone
 
-from batches import ingest, openai_batches, storage
+from batches import bulk, ingest, openai_batches, storage
 from batches.models import CLAIMABLE_STATUSES, Batch, BatchStatus, Item, ItemState, Shape, Surface
 from batches.tools import config as tools_config
 from batches.tools.loop import run_tool_loop
@@ -82,28 +82,20 @@ def store_native(principal: auth.Principal, submission: ingest.Submission) -> Ba
     writer = storage.input_writer(str(batch_id))
     try:
         with transaction.atomic():
-            pending: list[Item] = []
+            pending: list[dict] = []
             for idx, data in enumerate(submission.elements()):
-                pending.append(Item(id=uuid6.uuid7(), batch_id=batch_id, idx=idx, input_ref=writer.add(idx, data)))
-                if len(pending) >= 2000:
-                    Item.objects.bulk_create(pending)
+                ref = writer.add(idx, data)
+                pending.append(dict(id=uuid6.uuid7(), batch_id=batch_id, idx=idx, state="available", input_ref=ref))
+                if len(pending) >= 5000:
+                    bulk.insert_items(pending)  # COPY on PostgreSQL
                     pending.clear()
-            if pending:
-                Item.objects.bulk_create(pending)
+            bulk.insert_items(pending)
             writer.close()
             batch = Batch.objects.create(
                 id=batch_id,
                 inbound_shape=shape,
                 total_items=seen,
-                owner_hash=principal.owner_hash,
-                policy_id=principal.policy_id,
-                project_id=principal.project_id,
-                team_id=principal.team_id,
-                principal_kind=principal.principal_kind,
-                principal_id=principal.principal_id,
-                credential_kind=principal.credential_kind,
-                credential_id=principal.credential_id,
-                principal=principal.as_dict(),
+                **Batch.attribution(principal),
             )
             transaction.on_commit(top_up_wakeups)
     except BaseException:
@@ -454,25 +446,15 @@ def _finish(
 
 def _event_without_dispatch(item: Item, error: str) -> dict:
     """The usage event of an item that failed before reaching the pipeline."""
-    batch = Batch.objects.get(pk=item.batch_id)
-    p = batch.principal
     kind = (
         "credential_invalid" if "credential" in error else "policy_unavailable" if "policy" in error else "invalid_item"
     )
     return {
+        **_batch(item.batch_id).event_attribution(),
         "request_id": str(item.pk),
-        "source": "batch",
         "status": 0,
         "error_kind": kind,
         "error_message": error[:500],
-        "credential_kind": p["credential_kind"],
-        "credential_id": p["credential_id"],
-        "principal_kind": p["principal_kind"],
-        "principal_id": p["principal_id"],
-        "project_id": p["project_id"],
-        "team_id": p["team_id"],
-        "policy_id": p["policy_id"],
-        "batch_id": str(batch.id),
     }
 
 

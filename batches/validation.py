@@ -29,7 +29,7 @@ from django.utils import timezone
 from batches import bulk, ingest, services, storage
 from batches.models import Batch, BatchStatus, File, Item, ItemState, Surface
 from batches.tools import config as tools_config
-from usage.models import Source, UsageEvent
+from usage.models import UsageEvent
 
 # Report at most this many problems; a file broken on every line says so soon enough.
 MAX_ERRORS = 100
@@ -241,21 +241,12 @@ def _record_failure(body: dict, endpoint: str) -> tuple[str, str] | None:
 
 def _rejected_event(batch: Batch, item: dict, body: dict) -> UsageEvent:
     """One usage event per item, also for records that never reached the pipeline (as on the native surface)."""
-    p = batch.principal
     model = body.get("model")
     return UsageEvent(
+        **batch.event_attribution(),
         request_id=str(item["id"]),
-        source=Source.BATCH,
         status=0,
         error_kind=item["error_code"],
         error_message=item["error"][:500],
-        credential_kind=p["credential_kind"],
-        credential_id=p["credential_id"],
-        principal_kind=p["principal_kind"],
-        principal_id=p["principal_id"],
-        project_id=p["project_id"],
-        team_id=p["team_id"],
-        policy_id=p["policy_id"],
         model=model[:200] if isinstance(model, str) else "",
-        batch_id=str(batch.id),
     )
