@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from relay.processes import worker_argv
+
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 MiB = 1024 * 1024
@@ -179,25 +181,7 @@ class Stack:
         """One Celery worker as in production (8 prefork slots on batch,default) with the sweeper (-B)."""
         proc = self.spawn(
             "worker",
-            [
-                PY,
-                "-m",
-                "celery",
-                "-A",
-                "relay",
-                "worker",
-                "-Q",
-                "batch,default",
-                "-c",
-                "8",
-                "-B",
-                "-s",
-                str(self.tmp / "celerybeat-schedule"),
-                "-n",
-                "bench@%h",
-                "--loglevel",
-                "INFO",
-            ],
+            worker_argv(PY, "bench", beat_schedule=str(self.tmp / "celerybeat-schedule")),
         )
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
