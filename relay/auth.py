@@ -10,8 +10,10 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 
 import jwt
+from django.db import connection
 from django.db.models import F
 from django.utils import timezone
+from django.utils.dateparse import parse_datetime
 
 from relay import crypto
 from relay.errors import AuthError, RelayError
@@ -72,26 +74,82 @@ def authenticate(request) -> Principal:
 # --- relay keys -------------------------------------------------------------
 
 
+# The lookup of every request, written once as SQL: through the ORM, compiling
+# this five-table join cost several times its execution (benchmark: ~9 ms of
+# CPU per request on a 2-core machine). Plain SQL that SQLite and PostgreSQL
+# both run; the columns are named like the ORM lookups they replace.
+_KEY_FIELDS = (
+    "id",
+    "key_hash",
+    "grace_until",
+    "enabled",
+    "revoked_at",
+    "expires_at",
+    "policy_id",
+    "user_id",
+    "user__is_active",
+    "service_account_id",
+    "service_account__policy_id",
+    "service_account__project_id",
+    "service_account__project__name",
+    "service_account__project__team_id",
+    "service_account__project__team__name",
+    "service_account__project__default_policy_id",
+    "project_id",
+    "project__name",
+    "project__team_id",
+    "project__team__name",
+    "project__default_policy_id",
+)
+_KEY_SQL = """
+SELECT k.id, k.key_hash, k.grace_until, k.enabled, k.revoked_at, k.expires_at, k.policy_id,
+       k.user_id, u.is_active,
+       k.service_account_id, sa.policy_id, sa.project_id, sp.name, sp.team_id, st.name, sp.default_policy_id,
+       k.project_id, p.name, p.team_id, pt.name, p.default_policy_id
+FROM relay_relaykey k
+LEFT JOIN relay_user u ON u.id = k.user_id
+LEFT JOIN relay_serviceaccount sa ON sa.id = k.service_account_id
+LEFT JOIN relay_project sp ON sp.id = sa.project_id
+LEFT JOIN relay_team st ON st.id = sp.team_id
+LEFT JOIN relay_project p ON p.id = k.project_id
+LEFT JOIN relay_team pt ON pt.id = p.team_id
+WHERE k.key_hash = %s OR k.previous_key_hash = %s
+"""
+
+
+def _find_key(key_hash: str) -> dict | None:
+    with connection.cursor() as cursor:
+        cursor.execute(_KEY_SQL, [key_hash, key_hash])
+        row = cursor.fetchone()
+    if row is None:
+        return None
+    key = dict(zip(_KEY_FIELDS, row, strict=True))
+    # SQLite hands back booleans as integers and datetimes naive (stored as UTC).
+    for name in ("enabled", "user__is_active"):
+        if key[name] is not None:
+            key[name] = bool(key[name])
+    for name in ("grace_until", "revoked_at", "expires_at"):
+        value = key[name]
+        if isinstance(value, str):
+            value = parse_datetime(value)
+        if value is not None and value.tzinfo is None:
+            value = value.replace(tzinfo=UTC)
+        key[name] = value
+    return key
+
+
 def _principal_from_key(bearer: str) -> Principal:
     key_hash = crypto.sha256_hex(bearer)
-    key = _key_query().filter(key_hash=key_hash).first()
+    key = _find_key(key_hash)
     if key is None:
-        key = _key_query().filter(previous_key_hash=key_hash).first()
-        if key is None:
-            raise AuthError("invalid api key")
-        if not key.grace_until or key.grace_until <= timezone.now():
+        raise AuthError("invalid api key")
+    if key["key_hash"] != key_hash:  # the previous value of a rotated key
+        if not key["grace_until"] or key["grace_until"] <= timezone.now():
             raise AuthError("api key rotated")
-    _check_key_state(key)
+    _check_key_fields(
+        key["enabled"], key["revoked_at"], key["expires_at"], key["user__is_active"] if key["user_id"] else True
+    )
     return _key_principal(key, key_hash)
-
-
-def _key_query():
-    # Policies are referenced by id only: joining them would cost a model build per request.
-    return RelayKey.objects.select_related("service_account__project__team", "user", "project__team")
-
-
-def _check_key_state(key: RelayKey) -> None:
-    _check_key_fields(key.enabled, key.revoked_at, key.expires_at, key.user.is_active if key.user_id else True)
 
 
 def _check_key_fields(enabled, revoked_at, expires_at, user_active) -> None:
@@ -105,30 +163,29 @@ def _check_key_fields(enabled, revoked_at, expires_at, user_active) -> None:
         raise AuthError("api key disabled")
 
 
-def _key_principal(key: RelayKey, key_hash: str) -> Principal:
-    if key.service_account_id:
-        sa = key.service_account
-        project = sa.project
-        policy_id = key.policy_id or sa.policy_id or project.default_policy_id
-        kind, pid = "serviceaccount", sa.id
+def _key_principal(key: dict, key_hash: str) -> Principal:
+    if key["service_account_id"]:
+        prefix, kind, pid = "service_account__project", "serviceaccount", key["service_account_id"]
+        policy_id = key["policy_id"] or key["service_account__policy_id"] or key[f"{prefix}__default_policy_id"]
     else:
-        project = key.project
-        policy_id = key.policy_id or (project.default_policy_id if project else None)
-        kind, pid = "user", key.user_id
+        # A personal key takes its tenancy from the project it was made for, if any.
+        prefix, kind, pid = "project", "user", key["user_id"]
+        policy_id = key["policy_id"] or key[f"{prefix}__default_policy_id"]
+    project_id = key["service_account__project_id"] if key["service_account_id"] else key["project_id"]
     return Principal(
         principal_kind=kind,
         principal_id=pid,
         credential_kind="key",
-        credential_id=str(key.id),
+        credential_id=str(key["id"]),
         # Ownership follows the key's *current* value: after a rotation the new
         # value does not see what the old one submitted (product behaviour).
         owner_hash=key_hash,
-        project_id=project.id if project else None,
-        team_id=project.team_id if project else None,
+        project_id=project_id,
+        team_id=key[f"{prefix}__team_id"],
         policy_id=policy_id,
         key_hash=key_hash,
-        project_name=project.name if project else "",
-        team_name=project.team.name if project else "",
+        project_name=key[f"{prefix}__name"] or "",
+        team_name=key[f"{prefix}__team__name"] or "",
     )
 
 
