@@ -15,6 +15,7 @@ from django.utils.html import format_html
 
 from batches import selectors, services, storage
 from batches.models import Batch, File, Item, ItemState, Surface
+from relay.admin_base import ViewOnlyAdmin
 
 _PREVIEW_BYTES = 4096
 
@@ -83,7 +84,7 @@ class ItemInline(admin.TabularInline):
 
 
 @admin.register(Batch)
-class BatchAdmin(admin.ModelAdmin):
+class BatchAdmin(ViewOnlyAdmin):
     list_display = (
         "shown_id",
         "surface",
@@ -181,12 +182,6 @@ class BatchAdmin(admin.ModelAdmin):
             )
         )
 
-    def has_add_permission(self, request):
-        return False
-
-    def has_change_permission(self, request, obj=None):
-        return False
-
     @admin.display(description="owner")
     def owner(self, obj):
         return f"{obj.principal_kind}:{obj.principal_id} via {obj.credential_kind} {obj.credential_id}"
@@ -231,7 +226,7 @@ class BatchAdmin(admin.ModelAdmin):
 
 
 @admin.register(Item)
-class ItemAdmin(admin.ModelAdmin):
+class ItemAdmin(ViewOnlyAdmin):
     list_display = ("batch", "idx", "custom_id", "state", "attempt", "status_code", "error", "finished_at")
     list_filter = ("state",)
     search_fields = ("id", "batch__id", "custom_id", "error")
@@ -258,12 +253,6 @@ class ItemAdmin(admin.ModelAdmin):
     )
     readonly_fields = fields
 
-    def has_add_permission(self, request):
-        return False
-
-    def has_change_permission(self, request, obj=None):
-        return False
-
     @admin.display(description="request")
     def request(self, obj):
         return _preview(obj.input_ref)
@@ -278,7 +267,7 @@ class ItemAdmin(admin.ModelAdmin):
 
 
 @admin.register(File)
-class FileAdmin(admin.ModelAdmin):
+class FileAdmin(ViewOnlyAdmin):
     """Files of the OpenAI surface: uploads (purpose batch) and the output/error files batches write."""
 
     list_display = ("shown_id", "purpose", "filename", "bytes", "owner", "batch_link", "created_at")
@@ -304,15 +293,8 @@ class FileAdmin(admin.ModelAdmin):
     )
     readonly_fields = fields
 
-    def has_add_permission(self, request):
-        return False
-
-    def has_change_permission(self, request, obj=None):
-        return False
-
-    def has_delete_permission(self, request, obj=None):
-        # Owners delete through DELETE /v1/files/{id}, which also removes the stored bytes.
-        return False
+    # Owners delete through DELETE /v1/files/{id}, which also removes the stored bytes.
+    deletable = False
 
     def get_search_results(self, request, queryset, search_term):
         found = _search_public_id(queryset, search_term, "file-")

@@ -6,11 +6,12 @@ deleting one from the admin would falsify history, so the admin is read-only.
 
 from django.contrib import admin
 
+from relay.admin_base import ViewOnlyAdmin
 from usage.models import UsageEvent
 
 
 @admin.register(UsageEvent)
-class UsageEventAdmin(admin.ModelAdmin):
+class UsageEventAdmin(ViewOnlyAdmin):
     list_display = (
         "ts",
         "request_id",
@@ -33,11 +34,4 @@ class UsageEventAdmin(admin.ModelAdmin):
     # The table grows by one row per request: skip the unfiltered COUNT(*) on every page.
     show_full_result_count = False
 
-    def has_add_permission(self, request):
-        return False
-
-    def has_change_permission(self, request, obj=None):
-        return False
-
-    def has_delete_permission(self, request, obj=None):
-        return False
+    deletable = False
