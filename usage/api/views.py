@@ -27,6 +27,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from relay.auth import authenticate
+from relay.durations import parse_duration
 from relay.errors import bad_request
 from usage import selectors
 from usage.models import UsageEvent
@@ -36,7 +37,6 @@ DEFAULT_LIMIT = 100
 MAX_LIMIT = 10_000
 DEFAULT_SINCE = "24h"
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
-_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}
 
 
 class UsageView(APIView):
@@ -125,13 +125,13 @@ def _window(params) -> tuple[datetime, datetime]:
 
 
 def _duration(value: str) -> timedelta:
-    match = re.fullmatch(r"([0-9]+)([smhd])", value)
-    if not match or int(match[1]) == 0:
-        raise bad_request(f"since must be a positive duration like 30m, 1h or 7d, got {value!r}")
     try:
-        return timedelta(**{_UNITS[match[2]]: int(match[1])})
+        duration = parse_duration(value)
     except OverflowError as exc:
         raise bad_request(f"since is too large: {value!r}") from exc
+    if duration is None:
+        raise bad_request(f"since must be a positive duration like 30m, 1h or 7d, got {value!r}")
+    return duration
 
 
 def _timestamp(value: str, name: str) -> datetime:

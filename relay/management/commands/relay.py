@@ -8,7 +8,6 @@ relay token revoke --jti JTI | --token TOKEN | --user U --all
 relay demo   (seed the embedded demo catalog; used by `make run`)
 """
 
-import re
 from datetime import UTC, datetime, timedelta
 
 from django.core.management.base import BaseCommand, CommandError
@@ -18,23 +17,25 @@ from django.utils.dateparse import parse_datetime
 from policies.models import Policy
 from relay import auth, services
 from relay.config_apply import ConfigError, apply_config, load_file
+from relay.durations import parse_duration
 from relay.errors import RelayError
 from relay.models import Project, RelayKey, ServiceAccount, User
 
-_DURATION = re.compile(r"^(\d+)([smhd])$")
-_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
-
-def parse_duration(text: str) -> int:
-    m = _DURATION.match(text.strip())
-    if not m or int(m.group(1)) <= 0:
+def duration_seconds(text: str) -> int:
+    try:
+        duration = parse_duration(text)
+    except OverflowError:
+        duration = None
+    if duration is None:
         raise CommandError(f"'{text}' is not a duration like 90s, 15m, 1h or 30d")
-    return int(m.group(1)) * _UNITS[m.group(2)]
+    return int(duration.total_seconds())
 
 
 def parse_expiry(text: str) -> datetime:
-    if _DURATION.match(text.strip()):
-        return timezone.now() + timedelta(seconds=parse_duration(text))
+    duration = parse_duration(text)
+    if duration is not None:
+        return timezone.now() + duration
     when = parse_datetime(text)
     if when is None:
         raise CommandError(f"--expires '{text}' is neither a duration (30d) nor an RFC 3339 time")
@@ -101,7 +102,7 @@ class Command(BaseCommand):
         key = self._find_key(opts)
         if opts["action"] == "rotate":
             grace = opts["grace"]
-            seconds = int(grace) if grace.isdigit() else parse_duration(grace)
+            seconds = int(grace) if grace.isdigit() else duration_seconds(grace)
             plaintext = services.rotate_relay_key(key, seconds)
             self.stdout.write(plaintext)
             self.stderr.write(f"key {key.id} rotated; the old value works for {seconds}s. Shown once: store it now.")
@@ -155,7 +156,7 @@ class Command(BaseCommand):
     def _token(self, opts):
         if opts["action"] == "mint":
             user, project = self._user(opts["user"]), self._project(opts["project"])
-            minted = auth.mint_token(user, project, parse_duration(opts["ttl"]))
+            minted = auth.mint_token(user, project, duration_seconds(opts["ttl"]))
             self.stdout.write(minted["token"])
             self.stderr.write(f"jti {minted['jti']}, expires {datetime.fromtimestamp(minted['expires_at'], UTC)}")
             return
