@@ -33,7 +33,6 @@ from usage.services import record_event
 
 log = logging.getLogger(__name__)
 
-ERROR_BODY_LIMIT = 8 * 1024
 HARD_BODY_CAP = 64 * 1024 * 1024
 SHAPE_PATH = {
     Shape.OPENAI: "/v1/chat/completions",
@@ -304,7 +303,7 @@ def run_item(item: Item) -> None:
         ref = storage.write_result(str(batch.id), str(item.pk), outcome.body)
         _finish(item, ItemState.COMPLETED, outcome=outcome, result_ref=ref, events=run.events)
         return
-    error_body = outcome.body[:ERROR_BODY_LIMIT].decode("utf-8", errors="replace")
+    error_body = outcome.body[: pipeline.ERROR_BODY_LIMIT].decode("utf-8", errors="replace")
     if outcome.origin == "upstream":
         message = f"batch item: upstream status {outcome.status}"
     else:

@@ -169,9 +169,7 @@ def _dispatch(call: Call, ctx: dict, started: float) -> Outcome:
             ctx,
             started,
             status=last_response.status,
-            body=last_response.body[:ERROR_BODY_LIMIT]
-            if len(last_response.body) > ERROR_BODY_LIMIT
-            else last_response.body,
+            body=last_response.body[:ERROR_BODY_LIMIT],
             headers={
                 **_content_type(last_response),
                 "X-WR-Upstream-Status": last_response.status,
