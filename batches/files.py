@@ -180,7 +180,7 @@ def _receive(principal: Principal, django_request, limit: int) -> File:
                 filename=handler.filename,
                 bytes=writer.size,
                 ref=ref,
-                **_owner(principal),
+                **owner_columns(principal),
             )
         except BaseException:
             writer.discard()
@@ -204,7 +204,7 @@ def write_file(owner: Principal, *, purpose: str, filename: str, chunks, batch_i
             bytes=writer.size,
             ref=ref,
             batch_id=batch_id,
-            **_owner(owner),
+            **owner_columns(owner),
         )
     except BaseException:
         writer.discard()
@@ -218,13 +218,9 @@ def delete(file: File) -> None:
         transaction.on_commit(lambda: storage.delete_file(file.ref))
 
 
-def _owner(owner: Principal) -> dict:
-    """Ownership and attribution columns of a file, from the caller's principal."""
-    return {
-        "owner_hash": owner.owner_hash,
-        "credential_kind": owner.credential_kind,
-        "credential_id": owner.credential_id,
-        "principal_kind": owner.principal_kind,
-        "principal_id": owner.principal_id,
-        "project_id": owner.project_id,
-    }
+_FILE_COLUMNS = {f.name for f in File._meta.concrete_fields}
+
+
+def owner_columns(owner: Principal) -> dict:
+    """Ownership and attribution columns of a file: the principal's attribution, as far as a file keeps it."""
+    return {k: v for k, v in owner.attribution().items() if k in _FILE_COLUMNS}

@@ -19,30 +19,24 @@ is null. Files, ids and the final status are written in one transaction.
 import json
 
 import uuid6
-from django.db import connection, transaction
-from django.utils import timezone
+from django.db import transaction
 
-from batches import storage
+from batches import lifecycle, storage
+from batches.files import owner_columns
 from batches.models import PENDING_STATES, Batch, BatchStatus, File, FilePurpose, Item, ItemState, Surface
-from usage.models import UsageEvent
+from batches.outcomes import Code, openai_code
 
 PAGE = 1000
 EXPIRED_MESSAGE = "This request could not be executed before the completion window expired."
 CANCELLED_MESSAGE = "This request was cancelled before it completed."
-# Relay-side failure kinds (usage events' error_kind) that OpenAI names differently.
-_CODES = {"timeout": "request_timeout", "": "batch_item_failed"}
 _NATIVE_PREFIXES = ("batch item: ", "batch: ")
 
 
 def finalize(batch_id) -> None:
     """finalizing|cancelling (no pending item) → completed | expired | cancelled, with its files."""
     with transaction.atomic():
-        qs = Batch.objects.filter(
-            pk=batch_id, surface=Surface.OPENAI, status__in=[BatchStatus.FINALIZING, BatchStatus.CANCELLING]
-        )
-        if connection.vendor == "postgresql":
-            qs = qs.select_for_update(skip_locked=True)  # another worker is finalizing it
-        batch = qs.first()
+        # Another worker finalizing it holds the row: leave it to them.
+        batch = lifecycle.lock(batch_id, Surface.OPENAI, [BatchStatus.FINALIZING, BatchStatus.CANCELLING])
         if batch is None:
             return
         if Item.objects.filter(batch_id=batch.pk, state__in=PENDING_STATES).exists():
@@ -56,14 +50,13 @@ def finalize(batch_id) -> None:
             output.discard()
             errors.discard()
             raise
-        now = timezone.now()
         if batch.expired_at is not None:
-            final = {"status": BatchStatus.EXPIRED}  # expired_at was stamped when the window closed
+            final = BatchStatus.EXPIRED  # expired_at was stamped when the window closed
         elif batch.status == BatchStatus.CANCELLING:
-            final = {"status": BatchStatus.CANCELLED, "cancelled_at": now}
+            final = BatchStatus.CANCELLED
         else:
-            final = {"status": BatchStatus.COMPLETED, "completed_at": now}
-        Batch.objects.filter(pk=batch.pk).update(output_file_id=output_id, error_file_id=error_id, **final)
+            final = BatchStatus.COMPLETED
+        lifecycle.move(batch.pk, Surface.OPENAI, final, output_file_id=output_id, error_file_id=error_id)
 
 
 class _ResultFile:
@@ -92,12 +85,7 @@ class _ResultFile:
             bytes=self.writer.size,
             ref=ref,
             batch_id=b.id,
-            owner_hash=b.owner_hash,
-            credential_kind=b.credential_kind,
-            credential_id=b.credential_id,
-            principal_kind=b.principal_kind,
-            principal_id=b.principal_id,
-            project_id=b.project_id,
+            **owner_columns(b.submitter()),
         )
         return self.id
 
@@ -116,24 +104,13 @@ def result_lines(batch: Batch):
         page = list(Item.objects.filter(batch_id=batch.pk, idx__gt=last).order_by("idx").values(*_FIELDS)[:PAGE])
         if not page:
             return
-        kinds = _error_kinds(page)
         for row in page:
-            obj, failed = _line(batch, row, kinds)
+            obj, failed = _line(batch, row)
             yield json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n", failed
         last = page[-1]["idx"]
 
 
-def _error_kinds(page: list[dict]) -> dict:
-    """The usage events' error_kind of this page's relay-side failures: the error code OpenAI clients see."""
-    ids = [
-        str(r["id"]) for r in page if r["state"] == ItemState.DISCARDED and not r["error_code"] and not r["status_code"]
-    ]
-    if not ids:
-        return {}
-    return dict(UsageEvent.objects.filter(request_id__in=ids).values_list("request_id", "error_kind"))
-
-
-def _line(batch: Batch, row: dict, kinds: dict) -> tuple[dict, bool]:
+def _line(batch: Batch, row: dict) -> tuple[dict, bool]:
     item_id = row["id"]
     head = {"id": f"batch_req_{item_id.hex}", "custom_id": row["custom_id"]}
     state = row["state"]
@@ -145,10 +122,10 @@ def _line(batch: Batch, row: dict, kinds: dict) -> tuple[dict, bool]:
         response = {"status_code": row["status_code"] or 200, "request_id": str(item_id), "body": body}
         return {**head, "response": response, "error": None}, False
     if state == ItemState.CANCELLED:
-        if batch.expired_at is not None:
+        if row["error_code"] == Code.BATCH_EXPIRED or batch.expired_at is not None:
             return {**head, "response": None, "error": {"code": "batch_expired", "message": EXPIRED_MESSAGE}}, True
         return {**head, "response": None, "error": {"code": "batch_cancelled", "message": CANCELLED_MESSAGE}}, True
-    if row["status_code"] and not row["error_code"]:
+    if row["error_code"] == Code.UPSTREAM_ERROR:
         # The upstream answered with an HTTP error: its status and (bounded) body, as OpenAI shows them.
         response = {
             "status_code": row["status_code"],
@@ -156,8 +133,7 @@ def _line(batch: Batch, row: dict, kinds: dict) -> tuple[dict, bool]:
             "body": _json_or_text(row["error_body"]),
         }
         return {**head, "response": response, "error": None}, True
-    kind = kinds.get(str(item_id), "")
-    code = row["error_code"] or _CODES.get(kind, kind)
+    code = openai_code(row["error_code"])
     return {**head, "response": None, "error": {"code": code, "message": _message(row["error"])}}, True
 
 

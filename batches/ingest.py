@@ -17,8 +17,18 @@ import tempfile
 from collections.abc import Iterator
 
 import ijson
+from django.conf import settings
 
 from relay.errors import RelayError
+
+# However large RELAY_MAX_REQUEST_BYTES is set, one batch body or input line is never read past this.
+HARD_BODY_CAP = 64 * 1024 * 1024
+
+
+def body_limit() -> int:
+    """The most bytes one batch body (or one line of an input file) may have."""
+    return min(settings.RELAY_MAX_REQUEST_BYTES, HARD_BODY_CAP)
+
 
 _SCALARS = {"string", "number", "boolean", "null", "integer", "double"}
 

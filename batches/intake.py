@@ -12,7 +12,7 @@ The body is parsed once, as a stream (ingest.read_submission spools the
 
 from django.conf import settings
 
-from batches import ingest, services
+from batches import ingest
 from batches.errors import invalid
 from batches.models import Surface
 
@@ -20,7 +20,7 @@ OPENAI_MARKERS = ("endpoint", "completion_window", "input_file_id", "metadata")
 
 
 def read(raw_stream) -> ingest.Submission:
-    return ingest.read_submission(raw_stream, services.body_limit(), settings.RELAY_BATCH_MAX_ITEMS)
+    return ingest.read_submission(raw_stream, ingest.body_limit(), settings.RELAY_BATCH_MAX_ITEMS)
 
 
 def surface_of(top: dict) -> str:

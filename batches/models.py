@@ -32,6 +32,8 @@ from django.db import models
 from django.db.models import Q
 from django.utils import timezone
 
+from batches.outcomes import Code
+
 
 class Surface(models.TextChoices):
     NATIVE = "native"  # spec 000: {"shape", "requests"}; id shown as the UUID
@@ -216,34 +218,17 @@ class Batch(models.Model):
     @staticmethod
     def attribution(principal) -> dict:
         """The owner and attribution columns, fixed at submit from the authenticated principal."""
-        return {
-            "owner_hash": principal.owner_hash,
-            "policy_id": principal.policy_id,
-            "project_id": principal.project_id,
-            "team_id": principal.team_id,
-            "principal_kind": principal.principal_kind,
-            "principal_id": principal.principal_id,
-            "credential_kind": principal.credential_kind,
-            "credential_id": principal.credential_id,
-            "principal": principal.as_dict(),
-        }
+        return {**principal.attribution(), "principal": principal.as_dict()}
+
+    def submitter(self):
+        """The principal that submitted the batch, as it was at submit."""
+        from relay.auth import Principal
+
+        return Principal.from_dict(self.principal)
 
     def event_attribution(self) -> dict:
         """Usage-event fields of an item that never reached the pipeline, from the submit-time principal."""
-        p = self.principal
-        return {
-            "source": "batch",
-            "batch_id": str(self.id),
-            "credential_kind": p["credential_kind"],
-            "credential_id": p["credential_id"],
-            "principal_kind": p["principal_kind"],
-            "principal_id": p["principal_id"],
-            "project_id": p["project_id"],
-            "team_id": p["team_id"],
-            "policy_id": p["policy_id"],
-            "project": p.get("project_name", ""),
-            "team": p.get("team_name", ""),
-        }
+        return {"source": "batch", "batch_id": str(self.id), **self.submitter().usage_attribution()}
 
 
 class Item(models.Model):
@@ -262,9 +247,10 @@ class Item(models.Model):
     status_code = models.PositiveSmallIntegerField(null=True, blank=True)  # the upstream's, when it answered
     error = models.CharField(max_length=1000, blank=True, default="")
     error_body = models.TextField(blank=True, default="")  # the upstream's error body, at most 8 KiB
-    # OpenAI surface: the record's custom_id, and the code of a failure decided
-    # before dispatch (validation's record-level failures, expiry).
+    # OpenAI surface: the record's custom_id (native items have none).
     custom_id = models.CharField(max_length=512, blank=True, default="")
+    # Why the item failed, from batches.outcomes.Code, recorded where it failed ("" until it does).
+    # (No `choices`: the admin and the API show the code itself, not a label; the CHECK below guards the set.)
     error_code = models.CharField(max_length=64, blank=True, default="")
 
     class Meta:
@@ -284,6 +270,8 @@ class Item(models.Model):
                 condition=~Q(state="running") | (~Q(lease_owner="") & Q(lease_expires_at__isnull=False)),
                 name="item_running_has_lease",
             ),
+            # A failure is recorded as a code of one explicit set (batches/outcomes.py).
+            models.CheckConstraint(condition=Q(error_code__in=["", *Code.values]), name="item_error_code_known"),
         ]
         indexes = [
             # Claim: the next available item of a batch, in order.

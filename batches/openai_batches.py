@@ -1,15 +1,13 @@
-"""The OpenAI-compatible batch surface (spec 003): create, cancel, expiry, and the lifecycle hooks.
+"""The OpenAI-compatible batch surface (spec 003): access, create, and the sweeper's look-ups.
 
 Same Batch and Item rows and the same execution path as the native surface
-(batches/services.py: claim, run_item, _finish, heartbeat, sweep). This module
-decides only how an OpenAI batch is created and how it moves through its
-lifecycle; records are validated in the background (batches/validation.py)
-and results are written as files at the end (batches/finalize.py). A record's
-relay-owned `openrelay` key is split off in services (batches/tools/config.py)
-before any model sees the body.
-
-Hooks called from services.py: `with_batch_price` (the usage event), `items_done` (every item is final),
-`cancel` and `sweep`.
+(batches/services.py: claim, run_item, finish, heartbeat, sweep). This module
+decides only how an OpenAI batch is created; how it moves through its
+lifecycle (cancel, expiry, finalizing) lives in batches/lifecycle.py. Records
+are validated in the background (batches/validation.py) and results are
+written as files at the end (batches/finalize.py). A record's relay-owned
+`openrelay` key is split off in services (batches/tools/config.py) before any
+model sees the body.
 """
 
 import logging
@@ -19,28 +17,15 @@ from functools import lru_cache
 import redis
 import uuid6
 from django.conf import settings
-from django.db import IntegrityError, connection, transaction
+from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from batches import ingest, selectors, storage
+from batches import ingest, lifecycle, selectors, storage
 from batches.errors import OpenAIError, invalid, missing, no_batch_access
 from batches.files import write_file
-from batches.models import (
-    OPENAI_OPEN_STATUSES,
-    PENDING_STATES,
-    Batch,
-    BatchStatus,
-    Endpoint,
-    File,
-    FilePurpose,
-    Item,
-    ItemState,
-    Shape,
-    Surface,
-)
+from batches.models import Batch, BatchStatus, Endpoint, File, FilePurpose, Shape, Surface
 from policies.models import Policy
 from relay.auth import Principal
-from relay.redis import get_redis
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +101,7 @@ def create(principal: Principal, submission: ingest.Submission, *, idempotency_k
                 request_sha256=submission.sha256 if idempotency_key else "",
                 **Batch.attribution(principal),
             )
-            transaction.on_commit(lambda: enqueue("validate_openai_batch", batch_id))
+            transaction.on_commit(lambda: lifecycle.hand_off("validate_openai_batch", batch_id))
     except BaseException as exc:
         if inline is not None:
             storage.delete_file(inline.ref)  # its row went with the rollback; its bytes go now
@@ -270,142 +255,19 @@ def _check_dispatchable() -> None:
         ) from exc
 
 
-# --- Celery hand-offs -------------------------------------------------------------------------
-
-
-def enqueue(task_name: str, batch_id) -> None:
-    """Send a validate/finalize message; if it is lost, the sweeper sends it again."""
-    from batches import tasks
-
-    try:
-        getattr(tasks, task_name).apply_async(args=[str(batch_id)], queue="batch")
-    except Exception:  # the broker is down: sweep() re-dispatches
-        log.warning("could not enqueue %s for batch %s", task_name, batch_id, exc_info=True)
-
-
-def _redispatch(task_name: str, batch_id) -> None:
-    """At most one re-sent message per batch per lease period, however often the sweeper runs."""
-    try:
-        fresh = get_redis().set(
-            f"batch_redispatch:{task_name}:{batch_id}", 1, nx=True, ex=settings.RELAY_BATCH_LEASE_SECONDS
-        )
-    except redis.RedisError:
-        return
-    if fresh:
-        enqueue(task_name, batch_id)
-
-
-# --- hooks from the shared execution path ----------------------------------------------------
-
-
-def discounted(cost_nano_usd: int, percent: int) -> int:
-    """The price after a whole-percent discount, floored to the nano-USD (in the caller's favour)."""
-    return cost_nano_usd * (100 - percent) // 100
-
-
-def with_batch_price(event: dict, percent: int) -> dict:
-    """Add billed_cost_nano_usd to an item's usage event when its batch has a discount."""
-    cost = event.get("cost_nano_usd")
-    if cost is None or not percent:
-        return event
-    return dict(event, billed_cost_nano_usd=discounted(cost, percent))
-
-
-def items_done(batch_id) -> bool:
-    """Every item of the batch is final. OpenAI batch: move to finalizing and write the files. Else False."""
-    row = Batch.objects.filter(pk=batch_id).values_list("surface", "status").first()
-    if row is None or row[0] != Surface.OPENAI:
-        return False
-    status = row[1]
-    if status == BatchStatus.IN_PROGRESS:
-        Batch.objects.filter(pk=batch_id, status=BatchStatus.IN_PROGRESS).update(
-            status=BatchStatus.FINALIZING, finalizing_at=timezone.now()
-        )
-        status = BatchStatus.FINALIZING
-    if status in (BatchStatus.FINALIZING, BatchStatus.CANCELLING):
-        transaction.on_commit(lambda: enqueue("finalize_openai_batch", batch_id))
-    return True
-
-
-def cancel(batch: Batch) -> bool:
-    """validating|in_progress → cancelling: pending records are cancelled now, running ones at their next
-    heartbeat (on every replica); the batch becomes cancelled once its partial results are written.
-
-    True when the batch is (now) cancelling or cancelled; False when it had already finished.
-    """
-    now = timezone.now()
-    with transaction.atomic():
-        # Waits for a running validation (it holds the row) and re-checks the status after it.
-        moved = Batch.objects.filter(pk=batch.pk, surface=Surface.OPENAI, status__in=OPENAI_OPEN_STATUSES).update(
-            status=BatchStatus.CANCELLING, cancelling_at=now, cancel_requested_at=now
-        )
-        if moved:
-            Item.objects.filter(batch_id=batch.pk, state=ItemState.AVAILABLE).update(
-                state=ItemState.CANCELLED, finished_at=now, error="batch: cancelled", error_code="batch_cancelled"
-            )
-            from batches import services
-
-            services._maybe_complete(batch.pk)
-    batch.refresh_from_db()
-    return batch.status in (BatchStatus.CANCELLING, BatchStatus.CANCELLED)
-
-
 # --- the sweeper's part -------------------------------------------------------------------------
 
 
-def sweep() -> dict:
-    """Expire batches past their window, and re-send lost validate/finalize messages. Idempotent."""
-    from batches import services
+def expire_due(now) -> int:
+    """Expire open batches past their window (batches.lifecycle.expire_openai); at most 100 per sweep."""
+    due = Batch.objects.filter(surface=Surface.OPENAI, status__in=lifecycle.OPENAI_STOPPABLE, expires_at__lte=now)
+    return sum(lifecycle.expire_openai(batch_id, now) for batch_id in due.values_list("id", flat=True)[:100])
 
-    now = timezone.now()
-    expired = expire(now)
-    stale = now - timedelta(seconds=settings.RELAY_BATCH_LEASE_SECONDS)
-    openai = Batch.objects.filter(surface=Surface.OPENAI)
-    lost = openai.filter(status=BatchStatus.VALIDATING, created_at__lt=stale).values_list("id", flat=True)
-    for batch_id in lost[:100]:
-        _redispatch("validate_openai_batch", batch_id)
-    # Two last items finishing together can each see the other still running; nothing else would notice.
-    done = (
-        openai.filter(status__in=[BatchStatus.IN_PROGRESS, BatchStatus.FINALIZING, BatchStatus.CANCELLING])
-        .exclude(items__state__in=PENDING_STATES)
-        .values_list("id", "status", "finalizing_at", "cancelling_at")[:100]
+
+def lost_validations(stale) -> list:
+    """Batches validating since before `stale`: their validation message was lost (or its worker died)."""
+    return list(
+        Batch.objects.filter(surface=Surface.OPENAI, status=BatchStatus.VALIDATING, created_at__lt=stale).values_list(
+            "id", flat=True
+        )[:100]
     )
-    for batch_id, status, finalizing_at, cancelling_at in done:
-        if status == BatchStatus.IN_PROGRESS:
-            with transaction.atomic():
-                services._maybe_complete(batch_id)
-        elif (finalizing_at or cancelling_at) < stale:
-            _redispatch("finalize_openai_batch", batch_id)  # finalize's message was lost
-    return {"expired": expired}
-
-
-EXPIRED_ERROR = "batch: the completion window ended before this request ran"
-
-
-def expire(now) -> int:
-    """The window closed: stop the batch's work and finalize it as `expired`.
-
-    Pending records end with batch_expired now; running ones stop at their next
-    heartbeat (the cancel flag is what they read). Finished records are still
-    delivered in the output file.
-    """
-    from batches import services
-
-    n = 0
-    due = Batch.objects.filter(surface=Surface.OPENAI, status__in=OPENAI_OPEN_STATUSES, expires_at__lte=now)
-    for batch_id in due.values_list("id", flat=True)[:100]:
-        with transaction.atomic():
-            qs = Batch.objects.filter(pk=batch_id, status__in=OPENAI_OPEN_STATUSES)
-            if connection.vendor == "postgresql":
-                qs = qs.select_for_update(skip_locked=True)  # a validation in progress: next sweep
-            if qs.first() is None:
-                continue
-            Batch.objects.filter(pk=batch_id).update(
-                status=BatchStatus.FINALIZING, finalizing_at=now, expired_at=now, cancel_requested_at=now
-            )
-            Item.objects.filter(batch_id=batch_id, state=ItemState.AVAILABLE).update(
-                state=ItemState.CANCELLED, finished_at=now, error=EXPIRED_ERROR, error_code="batch_expired"
-            )
-            services._maybe_complete(batch_id)
-            n += 1
-    return n

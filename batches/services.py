@@ -19,21 +19,22 @@ from dataclasses import dataclass
 import uuid6
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models import Count, F, Q
+from django.db.models import Count
 from django.utils import timezone
 
-from batches import bulk, ingest, openai_batches, storage
-from batches.models import CLAIMABLE_STATUSES, Batch, BatchStatus, Item, ItemState, Shape, Surface
+from batches import bulk, ingest, lifecycle, openai_batches, outcomes, storage
+from batches.models import Batch, BatchStatus, Item, ItemState, Shape, Surface
+from batches.outcomes import Code
 from batches.tools import config as tools_config
 from batches.tools.loop import run_tool_loop
 from policies.models import Policy
 from relay import auth, pipeline
 from relay.errors import RelayError
+from usage.pricing import with_batch_price
 from usage.services import record_event
 
 log = logging.getLogger(__name__)
 
-HARD_BODY_CAP = 64 * 1024 * 1024
 SHAPE_PATH = {
     Shape.OPENAI: "/v1/chat/completions",
     Shape.OPENAI_RESPONSES: "/v1/responses",
@@ -41,16 +42,12 @@ SHAPE_PATH = {
 }
 
 
-def body_limit() -> int:
-    return min(settings.RELAY_MAX_REQUEST_BYTES, HARD_BODY_CAP)
-
-
 # --- submit -------------------------------------------------------------------
 
 
 def submit_native(principal: auth.Principal, raw_stream) -> Batch:
     """Parse a native body from a stream and store it (POST /v1/batches parses in batches.intake instead)."""
-    with ingest.read_submission(raw_stream, body_limit(), settings.RELAY_BATCH_MAX_ITEMS) as submission:
+    with ingest.read_submission(raw_stream, ingest.body_limit(), settings.RELAY_BATCH_MAX_ITEMS) as submission:
         return store_native(principal, submission)
 
 
@@ -96,36 +93,11 @@ def store_native(principal: auth.Principal, submission: ingest.Submission) -> Ba
                 total_items=seen,
                 **Batch.attribution(principal),
             )
-            transaction.on_commit(top_up_wakeups)
+            transaction.on_commit(lifecycle.wake_workers)
     except BaseException:
         writer.discard()
         raise
     return batch
-
-
-# --- wake-ups -------------------------------------------------------------------
-
-
-def top_up_wakeups() -> int:
-    """Keep at most RELAY_BATCH_WAKEUP_WINDOW wake-ups queued while work is available.
-
-    Redis never holds one message per item: which item runs is decided at
-    claim time. A lost wake-up only costs latency until the next sweep.
-    """
-    from batches import tasks
-    from relay.redis import get_redis
-
-    if not Item.objects.filter(state=ItemState.AVAILABLE).exists():
-        return 0
-    try:
-        queued = get_redis().llen("batch") if settings.CELERY_BROKER_URL.startswith("redis") else 0
-    except Exception:  # the broker is down: the sweeper will try again
-        log.warning("could not read the batch queue length", exc_info=True)
-        return 0
-    missing = max(0, settings.RELAY_BATCH_WAKEUP_WINDOW - queued)
-    for _ in range(missing):
-        tasks.run_items.apply_async(queue="batch")
-    return missing
 
 
 # --- claim -------------------------------------------------------------------------
@@ -140,45 +112,15 @@ def claim(owner: str) -> Item | None:
     running = dict(
         Item.objects.filter(state=ItemState.RUNNING).values_list("batch_id").annotate(n=Count("id")).order_by()
     )
-    active = list(Batch.objects.filter(status__in=CLAIMABLE_STATUSES).values_list("id", "created_at", "status"))
+    active = list(Batch.objects.filter(status__in=lifecycle.CLAIMABLE).values_list("id", "created_at", "status"))
     active.sort(key=lambda b: (running.get(b[0], 0), b[1]))
     for batch_id, _, status in active[:20]:
-        item = _claim_in_batch(batch_id, owner)
+        item = lifecycle.claim_in_batch(batch_id, owner)
         if item is not None:
             if status == BatchStatus.QUEUED:
-                Batch.objects.filter(pk=batch_id, status=BatchStatus.QUEUED).update(status=BatchStatus.RUNNING)
+                lifecycle.batch_started(batch_id)
             return item
     return None
-
-
-# PostgreSQL: one autocommitted statement; SKIP LOCKED makes concurrent claimers
-# pass over each other's row instead of queueing on it.
-_CLAIM_SQL = """
-UPDATE batches_item SET state = 'running', attempt = attempt + 1, lease_owner = %s,
-       lease_expires_at = %s, started_at = %s
-WHERE id = (SELECT id FROM batches_item WHERE batch_id = %s AND state = 'available'
-            ORDER BY idx LIMIT 1 FOR UPDATE SKIP LOCKED)
-RETURNING *
-"""
-
-
-def _claim_in_batch(batch_id, owner: str) -> Item | None:
-    now = timezone.now()
-    lease = now + timezone.timedelta(seconds=settings.RELAY_BATCH_LEASE_SECONDS)
-    if connection.vendor == "postgresql":
-        return next(iter(Item.objects.raw(_CLAIM_SQL, [owner, lease, now, batch_id])), None)
-    # SQLite (embedded mode) serialises writers; the conditional UPDATE is the claim.
-    item = Item.objects.filter(batch_id=batch_id, state=ItemState.AVAILABLE).order_by("idx").first()
-    if item is None:
-        return None
-    updated = Item.objects.filter(pk=item.pk, state=ItemState.AVAILABLE).update(
-        state=ItemState.RUNNING, attempt=item.attempt + 1, lease_owner=owner, lease_expires_at=lease, started_at=now
-    )
-    if not updated:
-        return None
-    item.state, item.lease_owner, item.lease_expires_at = ItemState.RUNNING, owner, lease
-    item.attempt += 1
-    return item
 
 
 # --- run ----------------------------------------------------------------------------
@@ -289,40 +231,41 @@ def run_item(item: Item) -> None:
     deadline = started + settings.RELAY_BATCH_ITEM_DEADLINE_SECONDS
     with Heartbeat(item) as hb:
         run = _execute(batch, item, principal, deadline, hb)
-    outcome, failure = run.outcome, run.failure
+    outcome = run.outcome
     if hb.stop_reason == "lease_lost":
         log.warning("item %s lost its lease; dropping this attempt's result", item.pk)
         return
-    if hb.stop_reason == "cancelled" and (failure or (outcome and not outcome.ok)):
-        _finish(item, ItemState.CANCELLED, error="batch: cancelled", outcome=outcome, events=run.events)
+    if hb.stop_reason == "cancelled" and (run.failure or (outcome and not outcome.ok)):
+        _finish(item, ItemState.CANCELLED, code=Code.BATCH_CANCELLED, error=lifecycle.CANCELLED_ERROR, run=run)
         return
-    if failure is not None:
-        _finish(item, ItemState.DISCARDED, error=failure, outcome=outcome, error_code=run.error_code, events=run.events)
+    if run.failure is not None:
+        _finish(item, ItemState.DISCARDED, code=run.code, error=run.failure, run=run)
         return
     if outcome.ok:
         ref = storage.write_result(str(batch.id), str(item.pk), outcome.body)
-        _finish(item, ItemState.COMPLETED, outcome=outcome, result_ref=ref, events=run.events)
+        _finish(item, ItemState.COMPLETED, run=run, result_ref=ref)
         return
-    error_body = outcome.body[: pipeline.ERROR_BODY_LIMIT].decode("utf-8", errors="replace")
     if outcome.origin == "upstream":
+        error_body = outcome.body[: pipeline.ERROR_BODY_LIMIT].decode("utf-8", errors="replace")
         message = f"batch item: upstream status {outcome.status}"
-    else:
-        message = f"batch item: {outcome.error.message}" if outcome.error else "batch item: failed"
-        error_body = ""
-    _finish(item, ItemState.DISCARDED, error=message, outcome=outcome, error_body=error_body, events=run.events)
+        _finish(item, ItemState.DISCARDED, code=Code.UPSTREAM_ERROR, error=message, run=run, error_body=error_body)
+        return
+    message = f"batch item: {outcome.error.message}" if outcome.error else "batch item: failed"
+    _finish(item, ItemState.DISCARDED, code=outcomes.normalize(outcome.error_kind), error=message, run=run)
 
 
 @dataclass
 class _Run:
     """What executing an item came to.
 
+    `failure`/`code`: the item failed (a message and its code from batches.outcomes).
     `events`: the usage events of every model invocation when there were
     several (tool calling); None means "the outcome's own event, if any".
     """
 
     outcome: pipeline.Outcome | None = None
     failure: str | None = None
-    error_code: str = ""
+    code: str = ""
     events: list[dict] | None = None
 
 
@@ -330,21 +273,22 @@ def _execute(batch: Batch, item: Item, principal, deadline: float, hb: Heartbeat
     try:
         auth.recheck(principal)
     except RelayError as exc:  # AuthError, or the token's project is gone
-        return _Run(failure=f"batch: credential no longer valid: {exc.message}")
+        return _Run(failure=f"batch: credential no longer valid: {exc.message}", code=Code.CREDENTIAL_INVALID)
     policy = Policy.objects.select_related("rate_limit").filter(pk=batch.policy_id).first() if batch.policy_id else None
     if policy is None or not policy.enabled:
-        return _Run(failure="batch: policy_unavailable")
+        return _Run(failure="batch: policy_unavailable", code=Code.POLICY_UNAVAILABLE)
     try:
         body = json.loads(storage.read(item.input_ref))
     except storage.PayloadMissing as exc:
-        return _Run(failure=f"batch: load input: {exc}")
+        return _Run(failure=f"batch: load input: {exc}", code=Code.INVALID_ITEM)
     except ValueError as exc:
-        return _Run(failure=f"batch: load input: stored item is not JSON: {exc}")
+        return _Run(failure=f"batch: load input: stored item is not JSON: {exc}", code=Code.INVALID_ITEM)
     if not isinstance(body, dict):
-        return _Run(failure="batch: parse model: item is not a JSON object")
+        return _Run(failure="batch: parse model: item is not a JSON object", code=Code.INVALID_ITEM)
     if body.get("stream") is True:
         return _Run(
-            failure="batch: stream is not supported in batch items; the response is stored whole (unset stream)"
+            failure="batch: stream is not supported in batch items; the response is stored whole (unset stream)",
+            code=Code.STREAMING_UNSUPPORTED,
         )
     path = batch.endpoint or SHAPE_PATH[batch.inbound_shape]  # an OpenAI batch calls its endpoint
 
@@ -376,7 +320,7 @@ def _execute_openai_record(body: dict, item: Item, path: str, invoke, deadline: 
     try:
         model_body, tool_config = tools_config.extract(body)
     except tools_config.ToolError as exc:  # validation catches these first; re-checked for safety
-        return _Run(failure=f"batch: {exc.code}: {exc.message}", error_code=exc.code)
+        return _Run(failure=f"batch: {exc.code}: {exc.message}", code=outcomes.normalize(exc.code))
     if tool_config is None or path != "/v1/chat/completions":
         return _checked(invoke(model_body, 0))
     result = run_tool_loop(body, tool_config, item.custom_id, invoke, deadline=deadline, cancel=hb.should_stop)
@@ -385,7 +329,7 @@ def _execute_openai_record(body: dict, item: Item, path: str, invoke, deadline: 
         return _Run(
             outcome=None,
             failure=f"batch: {result.error.code}: {result.error.message}",
-            error_code=result.error.code,
+            code=outcomes.normalize(result.error.code),
             events=events,
         )
     run = _checked(result.outcome)
@@ -396,144 +340,91 @@ def _execute_openai_record(body: dict, item: Item, path: str, invoke, deadline: 
 def _checked(outcome: pipeline.Outcome) -> _Run:
     if outcome.error is not None and outcome.error.code == "timeout":
         limit = settings.RELAY_BATCH_ITEM_DEADLINE_SECONDS
-        return _Run(outcome=outcome, failure=f"batch: item ran longer than {limit:g} seconds", error_code="timeout")
+        return _Run(outcome=outcome, failure=f"batch: item ran longer than {limit:g} seconds", code=Code.TIMEOUT)
     return _Run(outcome=outcome)
 
 
-def _finish(
-    item: Item,
-    state: str,
-    *,
-    error: str = "",
-    outcome=None,
-    result_ref: str = "",
-    error_body: str = "",
-    error_code: str = "",
-    events: list[dict] | None = None,
-) -> bool:
-    """Fenced final write + usage event in one transaction. False: the lease was lost."""
-    with transaction.atomic():
-        updated = Item.objects.filter(
-            pk=item.pk, state=ItemState.RUNNING, lease_owner=item.lease_owner, attempt=item.attempt
-        ).update(
-            state=state,
-            finished_at=timezone.now(),
-            lease_expires_at=None,
-            result_ref=result_ref,
-            status_code=outcome.status if outcome is not None and outcome.origin == "upstream" else None,
-            error=error[:1000],
-            error_code=error_code,
-            error_body=error_body,
-        )
-        if not updated:
-            return False
-        if events is None:
-            events = [outcome.event] if outcome is not None else []
+def _finish(item: Item, state: str, *, run: _Run, code: str = "", error: str = "", **fields) -> bool:
+    """The item's final write and its usage event(s), in one transaction, fenced on the claim."""
+    outcome = run.outcome
+    batch = _batch(item.batch_id)
+
+    def record() -> None:
+        events = run.events if run.events is not None else ([outcome.event] if outcome is not None else [])
         if not events:
-            record_event(**_event_without_dispatch(item, error), fetch=False)
-        percent = _batch(item.batch_id).discount_percent  # fixed at create
+            record_event(**_event_without_dispatch(batch, item.pk, code, error), fetch=False)
         for i, event in enumerate(events):
             event = dict(event)
-            if i == len(events) - 1 and error and not event.get("error_kind"):
+            if i == len(events) - 1 and code and not event.get("error_kind"):
                 # The item failed after its last invocation answered (a tool failure, say).
-                event["error_kind"] = error_code or "batch_item_failed"
+                event["error_kind"] = code
                 event["error_message"] = error[:500]
-            record_event(**openai_batches.with_batch_price(event, percent), fetch=False)
-        _maybe_complete(item.batch_id)
-    return True
+            record_event(**with_batch_price(event, batch.discount_percent), fetch=False)
 
-
-def _event_without_dispatch(item: Item, error: str) -> dict:
-    """The usage event of an item that failed before reaching the pipeline."""
-    kind = (
-        "credential_invalid" if "credential" in error else "policy_unavailable" if "policy" in error else "invalid_item"
+    return lifecycle.finish_item(
+        item,
+        state,
+        record,
+        status_code=outcome.status if outcome is not None and outcome.origin == "upstream" else None,
+        error=error[:1000],
+        error_code=code,
+        **fields,
     )
+
+
+def _event_without_dispatch(batch: Batch, item_id, code: str, error: str) -> dict:
+    """The usage event of an item that failed before reaching the pipeline."""
     return {
-        **_batch(item.batch_id).event_attribution(),
-        "request_id": str(item.pk),
+        **batch.event_attribution(),
+        "request_id": str(item_id),
         "status": 0,
-        "error_kind": kind,
+        "error_kind": code,
         "error_message": error[:500],
     }
-
-
-def _maybe_complete(batch_id) -> None:
-    """Stamp the batch once every item is final (completed, or cancelled if it was cancelled)."""
-    if Item.objects.filter(batch_id=batch_id, state__in=[ItemState.AVAILABLE, ItemState.RUNNING]).exists():
-        return
-    from batches import openai_batches
-
-    if openai_batches.items_done(batch_id):  # an OpenAI batch finalizes into output/error files
-        return
-    now = timezone.now()
-    Batch.objects.filter(pk=batch_id, completed_at__isnull=True, status=BatchStatus.CANCELLED).update(completed_at=now)
-    Batch.objects.filter(pk=batch_id, completed_at__isnull=True).exclude(status=BatchStatus.CANCELLED).update(
-        status=BatchStatus.COMPLETED, completed_at=now
-    )
 
 
 # --- cancel -----------------------------------------------------------------------
 
 
-def cancel(batch: Batch) -> None:
-    """Pending items become cancelled now; running ones stop at their next heartbeat, on every replica."""
+def cancel(batch: Batch) -> bool:
+    """Cancel a batch of either surface. Native: pending items now, running ones at their next
+    heartbeat on every replica. OpenAI: cancelling → cancelled once its partial results are written;
+    False when it had already finished."""
     if batch.surface == Surface.OPENAI:
-        from batches import openai_batches
-
-        openai_batches.cancel(batch)  # cancelling → cancelled, with its results written
-        return
-    now = timezone.now()
-    with transaction.atomic():
-        Batch.objects.filter(pk=batch.pk, cancel_requested_at__isnull=True).update(cancel_requested_at=now)
-        Batch.objects.filter(pk=batch.pk).exclude(status=BatchStatus.COMPLETED).update(status=BatchStatus.CANCELLED)
-        Item.objects.filter(batch_id=batch.pk, state=ItemState.AVAILABLE).update(
-            state=ItemState.CANCELLED, finished_at=now, error="batch: cancelled"
-        )
-        _maybe_complete(batch.pk)
+        moved = lifecycle.cancel_openai(batch.pk)
+        batch.refresh_from_db()
+        return moved or batch.status in (BatchStatus.CANCELLING, BatchStatus.CANCELLED)
+    lifecycle.cancel_native(batch.pk)
+    return True
 
 
 # --- sweeper -----------------------------------------------------------------------
 
 
 def sweep() -> dict:
-    """Rescue expired leases, then top up wake-ups. Idempotent; any replica may run it."""
+    """Rescue expired leases, finish what nothing else will, expire OpenAI batches past their window,
+    re-send lost control messages, then top up wake-ups. Idempotent; any replica may run it."""
     now = timezone.now()
-    expired = Item.objects.filter(state=ItemState.RUNNING, lease_expires_at__lt=now)
-    retry = expired.filter(attempt__lt=F("max_attempts"))
-    rescued = retry.update(state=ItemState.AVAILABLE, lease_owner="", lease_expires_at=None)
-    exhausted_ids = list(
-        Item.objects.filter(state=ItemState.RUNNING, lease_expires_at__lt=now).values_list("id", "batch_id")
-    )
-    for item_id, batch_id in exhausted_ids:
-        with transaction.atomic():
-            done = Item.objects.filter(pk=item_id, state=ItemState.RUNNING, lease_expires_at__lt=now).update(
-                state=ItemState.DISCARDED,
-                finished_at=now,
-                lease_owner="",
-                lease_expires_at=None,
-                error="batch: worker lost the item on every attempt",
-            )
-            if done:
-                record_event(**_event_without_dispatch(Item(pk=item_id, batch_id=batch_id), "batch: worker lost"))
-                _maybe_complete(batch_id)
-    # Cancelled batches whose running items died: nothing will finish them but us.
-    Item.objects.filter(state=ItemState.AVAILABLE, batch__cancel_requested_at__isnull=False).update(
-        state=ItemState.CANCELLED, finished_at=now, error="batch: cancelled"
-    )
-    for batch_id in (
-        Batch.objects.filter(
-            surface=Surface.NATIVE, completed_at__isnull=True, status__in=[BatchStatus.CANCELLED, BatchStatus.RUNNING]
-        )
-        .filter(~Q(items__state__in=[ItemState.AVAILABLE, ItemState.RUNNING]))
-        .values_list("id", flat=True)
-        .distinct()
-    ):
-        _maybe_complete(batch_id)
-    from batches import openai_batches
+    rescued = lifecycle.rescue_expired_leases(now)
+    discarded = lifecycle.discard_lost_items(now, _record_lost)
+    lifecycle.cancel_orphans()  # cancelled batches whose running items died
+    expired = openai_batches.expire_due(now)
+    stale = now - timezone.timedelta(seconds=settings.RELAY_BATCH_LEASE_SECONDS)
+    for batch_id in openai_batches.lost_validations(stale):
+        lifecycle.redispatch("validate_openai_batch", batch_id)
+    for batch_id, _surface, status, finalizing_at, cancelling_at in lifecycle.unfinished_batches():
+        if status in (BatchStatus.FINALIZING, BatchStatus.CANCELLING):
+            if (finalizing_at or cancelling_at) < stale:
+                lifecycle.redispatch("finalize_openai_batch", batch_id)  # finalize's message was lost
+        else:
+            lifecycle.complete_if_done(batch_id)
+    woken = lifecycle.wake_workers()
+    return {"rescued": rescued, "discarded": discarded, "expired": expired, "woken": woken}
 
-    openai_batches.sweep()  # expiry, and OpenAI batches whose validate/finalize message was lost
-    woken = top_up_wakeups()
-    return {"rescued": rescued, "discarded": len(exhausted_ids), "woken": woken}
+
+def _record_lost(item_id, batch_id) -> None:
+    error = "batch: worker lost the item on every attempt"
+    record_event(**_event_without_dispatch(_batch(batch_id), item_id, Code.WORKER_LOST, error), fetch=False)
 
 
 # --- the worker loop ------------------------------------------------------------------
@@ -554,5 +445,5 @@ def drain(max_items: int = 50, max_seconds: float = 120.0) -> int:
             return done
         run_item(item)
         done += 1
-    top_up_wakeups()
+    lifecycle.wake_workers()
     return done

@@ -1,6 +1,6 @@
 """Background validation of an OpenAI-surface batch: its input file's records become items.
 
-Runs once per batch in a Celery task on queue `batch`
+Runs once per batch in a Celery task on the control queue
 (batches.tasks.validate_openai_batch). The input file is streamed line by line
 (one line in memory at a time) and each record is checked:
 
@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 
 import uuid6
 from django.conf import settings
-from django.db import connection, transaction
+from django.db import transaction
 from django.utils import timezone
 
-from batches import bulk, ingest, services, storage
+from batches import bulk, ingest, lifecycle, storage
 from batches.models import Batch, BatchStatus, File, Item, ItemState, Surface
 from batches.tools import config as tools_config
 from usage.models import UsageEvent
@@ -58,11 +58,8 @@ def _error(code: str, message: str, *, line: int | None = None, param: str | Non
 def validate(batch_id) -> None:
     """validating → in_progress (items stored) or failed (errors); a no-op for any other status."""
     with transaction.atomic():
-        qs = Batch.objects.filter(pk=batch_id, surface=Surface.OPENAI, status=BatchStatus.VALIDATING)
-        if connection.vendor == "postgresql":
-            # Another worker validating it (a re-sent message) holds the row: leave it to them.
-            qs = qs.select_for_update(skip_locked=True)
-        batch = qs.first()
+        # Another worker validating it (a re-sent message) holds the row: leave it to them.
+        batch = lifecycle.lock(batch_id, Surface.OPENAI, [BatchStatus.VALIDATING])
         if batch is None:
             return
         source = File.objects.filter(pk=batch.input_file_id, owner_hash=batch.owner_hash).first()
@@ -84,22 +81,21 @@ def validate(batch_id) -> None:
         except BaseException:
             writer.discard()
             raise
-        Batch.objects.filter(pk=batch.pk).update(
-            status=BatchStatus.IN_PROGRESS,
-            in_progress_at=timezone.now(),
+        lifecycle.move(
+            batch.pk,
+            Surface.OPENAI,
+            BatchStatus.IN_PROGRESS,
             total_items=result.records,
             model=result.model or batch.model,
         )
         if result.available:
-            transaction.on_commit(services.top_up_wakeups)
-        else:
-            services._maybe_complete(batch.pk)  # every record failed validation: straight to finalizing
+            transaction.on_commit(lifecycle.wake_workers)
+    if not result.available:
+        lifecycle.complete_if_done(batch_id)  # every record failed validation: straight to finalizing
 
 
 def _fail(batch: Batch, errors: list[dict]) -> None:
-    Batch.objects.filter(pk=batch.pk).update(
-        status=BatchStatus.FAILED, failed_at=timezone.now(), errors=errors, total_items=0
-    )
+    lifecycle.move(batch.pk, Surface.OPENAI, BatchStatus.FAILED, errors=errors, total_items=0)
 
 
 def _ingest(batch: Batch, source: File, writer) -> _Ingest:
@@ -117,7 +113,7 @@ def _ingest(batch: Batch, source: File, writer) -> _Ingest:
         events.clear()
 
     try:
-        for line, raw in storage.iter_lines(source.ref, max_line=services.body_limit()):
+        for line, raw in storage.iter_lines(source.ref, max_line=ingest.body_limit()):
             if not raw.strip():
                 continue  # blank lines (a trailing newline, CRLF files) are not records
             if result.records >= max_items:

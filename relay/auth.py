@@ -42,9 +42,35 @@ class Principal:
     def as_dict(self) -> dict:
         return asdict(self)
 
+    def attribution(self) -> dict:
+        """Who a row belongs to and is billed to: the owner and attribution columns that
+        batches, files (their subset), result files and usage events all take from here."""
+        return {
+            "owner_hash": self.owner_hash,
+            "credential_kind": self.credential_kind,
+            "credential_id": self.credential_id,
+            "principal_kind": self.principal_kind,
+            "principal_id": self.principal_id,
+            "project_id": self.project_id,
+            "team_id": self.team_id,
+            "policy_id": self.policy_id,
+        }
+
+    def usage_attribution(self) -> dict:
+        """The attribution fields of a usage event: the same mapping, with the names as of authentication."""
+        fields = self.attribution()
+        del fields["owner_hash"]
+        return {**fields, "project": self.project_name, "team": self.team_name}
+
     @classmethod
     def from_dict(cls, data: dict) -> "Principal":
         return cls(**data)
+
+
+def authorization_bearer(headers) -> str:
+    """The token of an `Authorization: Bearer …` header ("" when there is none): the one bearer parser."""
+    value = headers.get("Authorization", "").strip()
+    return value[7:].strip() if value[:7].lower() == "bearer " else ""
 
 
 def bearer_from_headers(headers) -> str:
@@ -52,10 +78,7 @@ def bearer_from_headers(headers) -> str:
     value = headers.get("X-WR-API-Key", "").strip()
     if value:
         return value
-    auth = headers.get("Authorization", "").strip()
-    if auth[:7].lower() == "bearer ":
-        return auth[7:].strip()
-    return headers.get("x-api-key", "").strip()
+    return authorization_bearer(headers) or headers.get("x-api-key", "").strip()
 
 
 def is_token(bearer: str) -> bool:
@@ -136,6 +159,12 @@ def _find_key(key_hash: str) -> dict | None:
             value = value.replace(tzinfo=UTC)
         key[name] = value
     return key
+
+
+def principal_for_key(bearer: str) -> Principal:
+    """The principal a relay key value authenticates as (AuthError if it does not): what a request
+    presenting it would be. Public for the CLI and the tests."""
+    return _principal_from_key(bearer)
 
 
 def _principal_from_key(bearer: str) -> Principal:

@@ -177,7 +177,7 @@ def test_token_of_deleted_project_is_403(client, catalog):
 def test_recheck_sees_later_changes(catalog):
     from relay.errors import AuthError
 
-    p = auth._principal_from_key(catalog.key)
+    p = auth.principal_for_key(catalog.key)
     auth.recheck(p)  # still fine
     rotate_relay_key(catalog.key_obj, grace_seconds=0)
     with pytest.raises(AuthError, match="api key rotated"):

@@ -22,7 +22,7 @@ def staff_client(client, django_user_model):
 
 @pytest.fixture
 def batch(catalog):
-    principal = auth._principal_from_key(catalog.key)
+    principal = auth.principal_for_key(catalog.key)
     body = {
         "shape": "openai",
         "requests": [{"model": "gpt-4o", "messages": [{"role": "user", "content": f"q{i}"}]} for i in range(3)],

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.django_db
 
 
 def test_status_of_a_batch_larger_than_one_chunk(client, catalog):
-    principal = auth._principal_from_key(catalog.key)
+    principal = auth.principal_for_key(catalog.key)
     n = 5003  # the items list is streamed 5,000 at a time
     body = {"shape": "openai", "requests": [{"model": "gpt-4o", "messages": []}] * n}
     batch = services.submit_native(principal, io.BytesIO(json.dumps(body).encode()))

@@ -28,7 +28,7 @@ def create(catalog, records):
         "requests": records,
     }
     with ingest.read_submission(io.BytesIO(json.dumps(body).encode()), 10**7, 100) as submission:
-        return openai_batches.create(auth._principal_from_key(catalog.key), submission)
+        return openai_batches.create(auth.principal_for_key(catalog.key), submission)
 
 
 def rec(custom_id, **body):

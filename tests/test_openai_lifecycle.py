@@ -1,7 +1,7 @@
 """The OpenAI-surface lifecycle step by step, in process: create → validate → run → finalize.
 
 Each step is the real service a Celery task would call (validation.validate,
-services.claim/run_item, finalize.finalize, openai_batches.sweep), called
+services.claim/run_item, finalize.finalize, services.sweep), called
 directly so every intermediate status can be observed. Items run through the
 real pipeline against the fake upstream; PostgreSQL and Redis are real.
 """
@@ -21,6 +21,7 @@ from batches.models import Batch, File, Item
 from relay import auth
 from relay.demo_upstream import Reply
 from relay.models import Pricing
+from usage import pricing
 from usage.models import UsageEvent
 from usage.pricing import cost_nano_usd
 from usage.tokens import Tokens
@@ -44,7 +45,7 @@ def record(custom_id, content="hello", url=CHAT, **body):
 
 def create(catalog, records=None, *, raw_lines=None, endpoint=CHAT, key=None, **extra):
     """Create through the service the POST view calls: inline `requests`, or an uploaded file of raw lines."""
-    principal = auth._principal_from_key(key or catalog.key)
+    principal = auth.principal_for_key(key or catalog.key)
     body = {"endpoint": endpoint, "completion_window": "24h", **extra}
     if raw_lines is not None:
         file = storage_file(principal, b"".join(line + b"\n" for line in raw_lines))
@@ -137,7 +138,7 @@ def test_discount_is_applied_per_event_and_rolled_up(catalog, fake):
     assert usage["output_tokens"] == sum(e.output_tokens for e in events)
     assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
     # The native surface gets no discount: its events carry no billed price.
-    principal = auth._principal_from_key(catalog.key)
+    principal = auth.principal_for_key(catalog.key)
     native = services.submit_native(
         principal, io.BytesIO(json.dumps({"shape": "openai", "requests": [record("x")["body"]]}).encode())
     )
@@ -148,8 +149,8 @@ def test_discount_is_applied_per_event_and_rolled_up(catalog, fake):
 
 def test_default_discount_is_half_price():
     assert settings.RELAY_BATCH_DISCOUNT_PERCENT == 50
-    assert openai_batches.discounted(1001, 50) == 500  # floored: the caller never pays the odd nano-USD
-    assert openai_batches.discounted(0, 50) == 0 and openai_batches.discounted(7, 0) == 7
+    assert pricing.discounted(1001, 50) == 500  # floored: the caller never pays the odd nano-USD
+    assert pricing.discounted(0, 50) == 0 and pricing.discounted(7, 0) == 7
 
 
 def test_validation_errors_carry_line_numbers_and_store_nothing(catalog):
@@ -271,7 +272,7 @@ def test_cancel_while_running_ends_cancelled_with_partial_results(catalog, fake)
     batch = create(catalog, [record(f"r{i}") for i in range(4)])
     validation.validate(batch.id)
     running = services.claim("test-runner")
-    assert openai_batches.cancel(Batch.objects.get(pk=batch.pk))
+    assert services.cancel(Batch.objects.get(pk=batch.pk))
     b = Batch.objects.get(pk=batch.pk)
     assert b.status == "cancelling" and b.cancelling_at and b.cancel_requested_at
     assert selectors.request_counts(b) == {"total": 4, "completed": 0, "failed": 3}
@@ -284,12 +285,12 @@ def test_cancel_while_running_ends_cancelled_with_partial_results(catalog, fake)
     assert [line["custom_id"] for line in lines(b.output_file_id)] == [running.custom_id]
     errors = lines(b.error_file_id)
     assert len(errors) == 3 and {e["error"]["code"] for e in errors} == {"batch_cancelled"}
-    assert openai_batches.cancel(b)  # cancelling a cancelled batch is a no-op, not an error
+    assert services.cancel(b)  # cancelling a cancelled batch is a no-op, not an error
 
 
 def test_cancel_before_validation(catalog):
     batch = create(catalog, [record("a")])
-    assert openai_batches.cancel(batch)
+    assert services.cancel(batch)
     assert status(batch) == "cancelling"
     validation.validate(batch.id)  # the message arrives late: nothing happens
     finalize.finalize(batch.id)
@@ -304,7 +305,7 @@ def test_a_finished_batch_cannot_be_cancelled(catalog, fake):
     run_all()
     finalize.finalize(batch.id)
     b = Batch.objects.get(pk=batch.pk)
-    assert not openai_batches.cancel(b) and b.status == "completed"
+    assert not services.cancel(b) and b.status == "completed"
 
 
 @runs_items
@@ -313,7 +314,7 @@ def test_expiry_delivers_finished_records_and_expires_the_rest(catalog, fake):
     validation.validate(batch.id)
     services.run_item(services.claim("test-runner"))
     Batch.objects.filter(pk=batch.pk).update(expires_at=timezone.now() - timedelta(seconds=1))
-    assert openai_batches.sweep()["expired"] == 1
+    assert services.sweep()["expired"] == 1
     b = Batch.objects.get(pk=batch.pk)
     assert b.status == "finalizing" and b.expired_at and b.cancel_requested_at
     finalize.finalize(batch.id)
@@ -336,7 +337,7 @@ def test_expiry_delivers_finished_records_and_expires_the_rest(catalog, fake):
 def test_a_batch_still_validating_when_its_window_closes_expires(catalog):
     with override_settings(RELAY_BATCH_COMPLETION_WINDOW_SECONDS=0):
         batch = create(catalog, [record("a")])
-    openai_batches.sweep()
+    services.sweep()
     finalize.finalize(batch.id)
     assert status(batch) == "expired"
 
@@ -348,16 +349,16 @@ def test_sweeper_resends_lost_messages_and_finishes_a_racing_batch(catalog, fake
     batch = create(catalog, [record("a")])
     get_redis().delete("batch")  # the validate message is lost
     Batch.objects.filter(pk=batch.pk).update(created_at=timezone.now() - timedelta(minutes=5))
-    openai_batches.sweep()
+    services.sweep()
     queued = [json.loads(m)["headers"]["task"] for m in get_redis().lrange("batch", 0, -1)]
     assert queued == ["batches.tasks.validate_openai_batch"]
-    openai_batches.sweep()  # debounced: not sent twice in one lease period
+    services.sweep()  # debounced: not sent twice in one lease period
     assert get_redis().llen("batch") == 1
     validation.validate(batch.id)
     run_all()
     # As if the last item's completion check had raced another item's: all final, still in_progress.
     Batch.objects.filter(pk=batch.pk).update(status="in_progress", finalizing_at=None)
-    openai_batches.sweep()
+    services.sweep()
     assert status(batch) == "finalizing"
 
 

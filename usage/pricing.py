@@ -32,3 +32,16 @@ def cost_nano_usd(pricing: "Pricing | None", tokens: Tokens) -> int | None:
         q, r = divmod(rate, PER_MILLION)
         total += count * q + (count * r) // PER_MILLION
     return total
+
+
+def discounted(cost_nano_usd: int, percent: int) -> int:
+    """The price after a whole-percent discount, floored to the nano-USD (in the caller's favour)."""
+    return cost_nano_usd * (100 - percent) // 100
+
+
+def with_batch_price(event: dict, percent: int) -> dict:
+    """Add billed_cost_nano_usd to a batch item's usage event when its batch has a discount."""
+    cost = event.get("cost_nano_usd")
+    if cost is None or not percent:
+        return event
+    return dict(event, billed_cost_nano_usd=discounted(cost, percent))

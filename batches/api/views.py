@@ -13,13 +13,14 @@ from django.http import JsonResponse, StreamingHttpResponse
 from django.utils.http import content_disposition_header
 from rest_framework.exceptions import APIException
 from rest_framework.negotiation import BaseContentNegotiation
+from rest_framework.permissions import BasePermission
 from rest_framework.views import APIView
 
 from batches import files, intake, openai_batches, selectors, services, storage
 from batches.api import serializers
 from batches.errors import OpenAIError, invalid
 from batches.models import Surface
-from relay.auth import authenticate
+from relay.api.authentication import RelayCredentialAuthentication
 from relay.errors import RelayError
 
 
@@ -34,9 +35,37 @@ class _AnyAccept(BaseContentNegotiation):
         return renderers[0], renderers[0].media_type
 
 
+class OpenAIBatchAccess(BasePermission):
+    """The OpenAI surface's Batch and Files API needs the credential's policy to grant batch access
+    (404 otherwise, as OpenAI answers an organization without it). Native batches are not gated."""
+
+    def has_permission(self, request, view):
+        if view.openai_errors and request.method in view.access_checked_methods:
+            openai_batches.check_access(request.user)
+        return True
+
+
 class _SurfaceView(APIView):
+    """Authenticated by relay key or token (request.user is the Principal); errors in the surface's envelope.
+
+    Ownership is queryset scoping in the selectors: anyone but the owner gets the surface's 404.
+    """
+
     content_negotiation_class = _AnyAccept
-    openai_errors = True  # set per request by views that also serve the native surface
+    authentication_classes = [RelayCredentialAuthentication]
+    permission_classes = [OpenAIBatchAccess]
+    openai_errors = True  # per request: which surface's envelope answers
+    access_checked_methods = ("GET", "POST", "DELETE")
+
+    def initial(self, request, *args, **kwargs):
+        # Decided before authentication, so even a 401 comes in the surface's own envelope: a native
+        # batch is addressed by its UUID, an OpenAI one by batch_<hex>.
+        self.openai_errors = self.answers_as_openai(kwargs)
+        super().initial(request, *args, **kwargs)
+
+    def answers_as_openai(self, kwargs) -> bool:
+        batch_id = kwargs.get("batch_id")
+        return selectors.is_openai_batch_id(batch_id) if batch_id is not None else True
 
     def handle_exception(self, exc):
         if self.openai_errors:
@@ -51,56 +80,50 @@ class _SurfaceView(APIView):
 
 
 class BatchListView(_SurfaceView):
+    access_checked_methods = ("GET",)  # create checks it once the body has said which surface it is
+
     def post(self, request):
-        principal = authenticate(request)
         with intake.read(request._request) as submission:
             if intake.surface_of(submission.top) == Surface.NATIVE:
                 self.openai_errors = False
-                batch = services.store_native(principal, submission)
+                batch = services.store_native(request.user, submission)
                 return JsonResponse(
                     {"id": str(batch.id), "status": "queued", "total_items": batch.total_items}, status=202
                 )
             batch = openai_batches.create(
-                principal, submission, idempotency_key=request.headers.get("Idempotency-Key", "").strip()
+                request.user, submission, idempotency_key=request.headers.get("Idempotency-Key", "").strip()
             )
         return JsonResponse(serializers.batch(batch))
 
     def get(self, request):
-        principal = authenticate(request)
-        openai_batches.check_access(principal)
-        rows, has_more = selectors.openai_batches_page(principal, request.GET.get("after"), request.GET.get("limit"))
+        rows, has_more = selectors.openai_batches_page(request.user, request.GET.get("after"), request.GET.get("limit"))
         return JsonResponse(serializers.page(rows, serializers.batch, has_more))
 
 
 class BatchDetailView(_SurfaceView):
     def get(self, request, batch_id):
-        self.openai_errors = selectors.is_openai_batch_id(batch_id)
-        principal = authenticate(request)
         if not self.openai_errors:
-            batch = selectors.batch_for_owner(batch_id, principal)
+            batch = selectors.batch_for_owner(batch_id, request.user)
             return StreamingHttpResponse(selectors.iter_status_json(batch), content_type="application/json")
-        openai_batches.check_access(principal)
-        return JsonResponse(serializers.batch(selectors.openai_batch_for_owner(batch_id, principal)))
+        return JsonResponse(serializers.batch(selectors.openai_batch_for_owner(batch_id, request.user)))
 
 
 class BatchResultsView(_SurfaceView):
-    openai_errors = False  # native only: OpenAI-surface results are files
+    def answers_as_openai(self, kwargs) -> bool:
+        return False  # native only: OpenAI-surface results are files
 
     def get(self, request, batch_id):
-        batch = selectors.batch_for_owner(batch_id, authenticate(request))
+        batch = selectors.batch_for_owner(batch_id, request.user)
         return StreamingHttpResponse(selectors.iter_results_json(batch), content_type="application/json")
 
 
 class BatchCancelView(_SurfaceView):
     def post(self, request, batch_id):
-        self.openai_errors = selectors.is_openai_batch_id(batch_id)
-        principal = authenticate(request)
         if not self.openai_errors:
-            services.cancel(selectors.batch_for_owner(batch_id, principal))
+            services.cancel(selectors.batch_for_owner(batch_id, request.user))
             return JsonResponse({"status": "cancelled"})
-        openai_batches.check_access(principal)
-        batch = selectors.openai_batch_for_owner(batch_id, principal)
-        if not openai_batches.cancel(batch):
+        batch = selectors.openai_batch_for_owner(batch_id, request.user)
+        if not services.cancel(batch):
             raise invalid(f"Cannot cancel a batch with status '{batch.status}'.", code="batch_not_cancellable")
         return JsonResponse(serializers.batch(batch))
 
@@ -110,36 +133,26 @@ class BatchCancelView(_SurfaceView):
 
 class FileListView(_SurfaceView):
     def post(self, request):
-        principal = authenticate(request)
-        openai_batches.check_access(principal)
-        return JsonResponse(serializers.file(files.upload(principal, request._request)))
+        return JsonResponse(serializers.file(files.upload(request.user, request._request)))
 
     def get(self, request):
-        principal = authenticate(request)
-        openai_batches.check_access(principal)
-        rows, has_more = selectors.files_page(principal, request.GET)
+        rows, has_more = selectors.files_page(request.user, request.GET)
         return JsonResponse(serializers.page(rows, serializers.file, has_more))
 
 
 class FileDetailView(_SurfaceView):
     def get(self, request, file_id):
-        principal = authenticate(request)
-        openai_batches.check_access(principal)
-        return JsonResponse(serializers.file(selectors.file_for_owner(file_id, principal)))
+        return JsonResponse(serializers.file(selectors.file_for_owner(file_id, request.user)))
 
     def delete(self, request, file_id):
-        principal = authenticate(request)
-        openai_batches.check_access(principal)
-        file = selectors.file_for_owner(file_id, principal)
+        file = selectors.file_for_owner(file_id, request.user)
         files.delete(file)
         return JsonResponse({"id": file.public_id, "object": "file", "deleted": True})
 
 
 class FileContentView(_SurfaceView):
     def get(self, request, file_id):
-        principal = authenticate(request)
-        openai_batches.check_access(principal)
-        file = selectors.file_for_owner(file_id, principal)
+        file = selectors.file_for_owner(file_id, request.user)
         chunks = storage.iter_file(file.ref)
         try:
             first = next(chunks, b"")  # a missing payload is an error answer, not a cut-off download

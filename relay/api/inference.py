@@ -8,17 +8,18 @@ from django.http import HttpResponse
 from rest_framework.views import APIView
 
 from relay import pipeline
-from relay.auth import authenticate
+from relay.api.authentication import RelayCredentialAuthentication
 from relay.errors import RelayError
 from relay.http import parse_json_object, read_body
 from usage.services import record_event
 
 
 class InferenceView(APIView):
+    authentication_classes = [RelayCredentialAuthentication]
     upstream_path = ""  # set per route: /v1/chat/completions, /v1/messages, …
 
     def post(self, request, *args, **kwargs):
-        principal = authenticate(request)
+        principal = request.user
         body = parse_json_object(read_body(request._request, settings.RELAY_MAX_REQUEST_BYTES))
         if body.get("stream") is True:
             raise RelayError(

@@ -4,7 +4,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from policies.models import Policy
-from relay.auth import authenticate
+from relay.api.authentication import RelayCredentialAuthentication
 from relay.grants import granted
 from relay.models import HostBinding
 
@@ -12,8 +12,10 @@ from relay.models import HostBinding
 class ModelsView(APIView):
     """GET /v1/models: the models the caller's policy grants and that have an enabled binding."""
 
+    authentication_classes = [RelayCredentialAuthentication]
+
     def get(self, request):
-        principal = authenticate(request)
+        principal = request.user
         policy = Policy.objects.filter(pk=principal.policy_id).first() if principal.policy_id else None
         seen, data = set(), []
         if policy is not None and policy.enabled:

@@ -16,17 +16,19 @@ like an inference caller and sees only its own principal's events.
 """
 
 import base64
-import hmac
 import re
 from datetime import UTC, datetime, timedelta
 
-from django.conf import settings
 from django.utils import timezone
-from rest_framework.authentication import SessionAuthentication
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from relay.auth import authenticate
+from relay.api.authentication import (
+    OPERATOR,
+    AdminTokenAuthentication,
+    RelayCredentialAuthentication,
+    StaffSessionAuthentication,
+)
 from relay.durations import parse_duration
 from relay.errors import bad_request
 from usage import selectors
@@ -40,9 +42,9 @@ _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 class UsageView(APIView):
-    # Only to read a staff user's admin session; relay keys and the admin token
-    # are checked by viewer(), which answers in the product's envelope.
-    authentication_classes = [SessionAuthentication]
+    # The operator (admin token or a staff session) first; anyone else must present
+    # a relay key or token, and a missing one is the product's 401.
+    authentication_classes = [AdminTokenAuthentication, StaffSessionAuthentication, RelayCredentialAuthentication]
 
 
 class EventListView(UsageView):
@@ -79,23 +81,7 @@ class SummaryView(UsageView):
 
 
 def resolve_viewer(request) -> Viewer:
-    if _has_admin_token(request) or _is_staff(request.user):
-        return Viewer(operator=True)
-    # Raises the product's 401 when there is no usable credential.
-    return Viewer.of(authenticate(request))
-
-
-def _has_admin_token(request) -> bool:
-    auth = request.headers.get("Authorization", "").strip()
-    if auth[:7].lower() != "bearer ":
-        return False
-    # Bytes, because compare_digest refuses non-ASCII str and a header may carry any.
-    presented = auth[7:].strip().encode()
-    return bool(settings.RELAY_ADMIN_TOKEN) and hmac.compare_digest(presented, settings.RELAY_ADMIN_TOKEN.encode())
-
-
-def _is_staff(user) -> bool:
-    return user is not None and user.is_active and user.is_staff
+    return Viewer(operator=True) if request.user is OPERATOR else Viewer.of(request.user)
 
 
 # --- query parameters ----------------------------------------------------------

@@ -1,0 +1,421 @@
+"""The one home of batch and item state: every change of `Batch.status` or `Item.state` is made here.
+
+Other modules ask this one; they never write `status`/`state` themselves
+(inserting new rows aside: a batch is created in its first status, items in
+`available`, or `discarded` for a record validation refused). The moves:
+
+Relay-native batch (spec 000)::
+
+    queued ──first claim──▶ running ──last item final──▶ completed
+       └──────────┴──cancel──▶ cancelled (completed_at once its last running item stops)
+
+OpenAI-surface batch (spec 003)::
+
+    validating ──▶ in_progress ──▶ finalizing ──▶ completed | expired
+        │  └──▶ failed               ▲
+        ├──────────┴──window closed──┘
+        └──────────┴──cancel──▶ cancelling ──▶ cancelled
+
+Item::
+
+    available ──claim──▶ running ──finish──▶ completed | discarded | cancelled
+        │                   └──lease expired / wait / retry──▶ available
+        └──cancel / expiry──▶ cancelled
+
+A move is one conditional UPDATE whose WHERE names the statuses the table
+allows it from, so two processes racing for the same move cannot both make
+it, and a move the table does not allow is refused before it reaches SQL.
+
+Completion is checked *after* the finishing transaction commits
+(`complete_if_done` on commit): whichever of several items finishing together
+commits last sees every other one final, so a batch is finalized at once
+without a lock on its row and without waiting for the sweeper.
+
+Work is handed to Celery by task name (`hand_off`, `wake_workers`), never by
+importing `batches.tasks`, so nothing in `batches/` imports in a circle.
+"""
+
+import logging
+from collections.abc import Callable, Iterable
+
+from django.conf import settings
+from django.db import connection, transaction
+from django.db.models import Exists, F, OuterRef, Q
+from django.utils import timezone
+
+from batches.models import (
+    CLAIMABLE_STATUSES,
+    OPENAI_STATUS_STAMP,
+    PENDING_STATES,
+    Batch,
+    BatchStatus,
+    Item,
+    ItemState,
+    Surface,
+)
+from batches.outcomes import Code
+
+log = logging.getLogger(__name__)
+
+S, St = BatchStatus, ItemState
+
+# --- queues -------------------------------------------------------------------------------------
+
+# Item work: one wake-up message runs items in one of a worker's 8 slots.
+ITEM_QUEUE = "batch"
+# Control work (sweeping, validation, finalization): never takes an item slot.
+CONTROL_QUEUE = "batch"
+
+# --- the transition tables ----------------------------------------------------------------------
+
+NATIVE_TRANSITIONS: dict[str, frozenset] = {
+    S.QUEUED: frozenset({S.RUNNING, S.COMPLETED, S.CANCELLED}),
+    S.RUNNING: frozenset({S.COMPLETED, S.CANCELLED}),
+    S.COMPLETED: frozenset(),
+    S.CANCELLED: frozenset(),
+}
+OPENAI_TRANSITIONS: dict[str, frozenset] = {
+    S.VALIDATING: frozenset({S.IN_PROGRESS, S.FAILED, S.CANCELLING, S.FINALIZING}),
+    S.IN_PROGRESS: frozenset({S.FINALIZING, S.CANCELLING}),
+    S.FINALIZING: frozenset({S.COMPLETED, S.EXPIRED}),
+    S.CANCELLING: frozenset({S.CANCELLED}),
+    S.COMPLETED: frozenset(),
+    S.FAILED: frozenset(),
+    S.EXPIRED: frozenset(),
+    S.CANCELLED: frozenset(),
+}
+TRANSITIONS = {Surface.NATIVE: NATIVE_TRANSITIONS, Surface.OPENAI: OPENAI_TRANSITIONS}
+
+ITEM_TRANSITIONS: dict[str, frozenset] = {
+    St.AVAILABLE: frozenset({St.RUNNING, St.CANCELLED}),
+    St.RUNNING: frozenset({St.AVAILABLE, St.COMPLETED, St.DISCARDED, St.CANCELLED}),
+    St.COMPLETED: frozenset(),
+    St.DISCARDED: frozenset(),
+    St.CANCELLED: frozenset(),
+}
+
+# --- named groups -------------------------------------------------------------------------------
+
+# Statuses with work still to come, per surface (a native batch that is `cancelled`
+# may still have running items; it is done once completed_at is set).
+OPEN = {
+    Surface.NATIVE: (S.QUEUED, S.RUNNING),
+    Surface.OPENAI: (S.VALIDATING, S.IN_PROGRESS, S.FINALIZING, S.CANCELLING),
+}
+TERMINAL = (S.COMPLETED, S.CANCELLED, S.FAILED, S.EXPIRED)
+# Batches whose available items a worker may claim (a validating OpenAI batch has no
+# items yet; a cancelling or finalizing one starts no new work). Defined in models,
+# where an index condition needs it.
+CLAIMABLE = CLAIMABLE_STATUSES
+
+# OpenAI batches that cancel or expiry may still stop.
+OPENAI_STOPPABLE = (S.VALIDATING, S.IN_PROGRESS)
+NATIVE_STAMP = {S.COMPLETED: "completed_at"}
+
+CANCELLED_ERROR = "batch: cancelled"
+EXPIRED_ERROR = "batch: the completion window ended before this request ran"
+_STOP_MESSAGES = {Code.BATCH_CANCELLED: CANCELLED_ERROR, Code.BATCH_EXPIRED: EXPIRED_ERROR}
+
+
+class IllegalTransition(Exception):
+    """A move the transition table does not allow (a programming error, never a client's)."""
+
+
+def sources(surface: str, to: str, frm: Iterable[str] | None = None) -> list[str]:
+    """The statuses a batch of `surface` may move to `to` from (limited to `frm` when given)."""
+    allowed = [s for s, targets in TRANSITIONS[surface].items() if to in targets]
+    if frm is not None:
+        wanted = set(frm)
+        allowed = [s for s in allowed if s in wanted]
+    if not allowed:
+        raise IllegalTransition(f"{surface} batch: no move to {to!r} from {sorted(frm) if frm else 'anywhere'}")
+    return allowed
+
+
+def move(batch_id, surface: str, to: str, *, frm: Iterable[str] | None = None, **fields) -> bool:
+    """Move a batch to `to` if it is in a status the table allows (and `frm` names). True if it moved.
+
+    The status's timestamp is stamped unless the caller passes it (OpenAI:
+    in_progress_at, finalizing_at, …; native: completed_at).
+    """
+    allowed = sources(surface, to, frm)
+    stamp = (OPENAI_STATUS_STAMP if surface == Surface.OPENAI else NATIVE_STAMP).get(to)
+    if stamp and stamp not in fields:
+        fields[stamp] = timezone.now()
+    return Batch.objects.filter(pk=batch_id, surface=surface, status__in=allowed).update(status=to, **fields) > 0
+
+
+def lock(batch_id, surface: str, statuses: Iterable[str]) -> Batch | None:
+    """The batch, row-locked, if it is in one of `statuses`; None if not, or if another process holds it.
+
+    Call inside a transaction. SKIP LOCKED: control work never waits on a row
+    another process holds; the holder is doing the same job, or the next sweep retries.
+    """
+    qs = Batch.objects.filter(pk=batch_id, surface=surface, status__in=list(statuses))
+    if connection.vendor == "postgresql":
+        qs = qs.select_for_update(skip_locked=True)
+    return qs.first()
+
+
+# --- item moves ---------------------------------------------------------------------------------
+
+
+def cancel_pending_items(batch_id, code: str = Code.BATCH_CANCELLED) -> int:
+    """available → cancelled for one batch (cancel or expiry); running items stop at their heartbeat."""
+    return Item.objects.filter(batch_id=batch_id, state=St.AVAILABLE).update(
+        state=St.CANCELLED, finished_at=timezone.now(), error=_STOP_MESSAGES[code], error_code=code
+    )
+
+
+_CLAIM_SQL = """
+UPDATE batches_item SET state = 'running', attempt = attempt + 1, lease_owner = %s,
+       lease_expires_at = %s, started_at = %s
+WHERE id = (SELECT id FROM batches_item WHERE batch_id = %s AND state = 'available'
+            ORDER BY idx LIMIT 1 FOR UPDATE SKIP LOCKED)
+RETURNING *
+"""
+
+
+def claim_in_batch(batch_id, owner: str) -> Item | None:
+    """available → running for the batch's next item, as one statement; None if there is none free.
+
+    PostgreSQL: one autocommitted UPDATE; SKIP LOCKED makes concurrent claimers
+    pass over each other's row instead of queueing on it. SQLite (embedded mode)
+    serialises writers, so the conditional UPDATE alone is the claim.
+    """
+    now = timezone.now()
+    lease = now + timezone.timedelta(seconds=settings.RELAY_BATCH_LEASE_SECONDS)
+    if connection.vendor == "postgresql":
+        return next(iter(Item.objects.raw(_CLAIM_SQL, [owner, lease, now, batch_id])), None)
+    item = Item.objects.filter(batch_id=batch_id, state=St.AVAILABLE).order_by("idx").first()
+    if item is None:
+        return None
+    updated = Item.objects.filter(pk=item.pk, state=St.AVAILABLE).update(
+        state=St.RUNNING, attempt=item.attempt + 1, lease_owner=owner, lease_expires_at=lease, started_at=now
+    )
+    if not updated:
+        return None
+    item.state, item.lease_owner, item.lease_expires_at, item.started_at = St.RUNNING, owner, lease, now
+    item.attempt += 1
+    return item
+
+
+def batch_started(batch_id) -> None:
+    """A native batch's first claim: queued → running (a no-op once it runs)."""
+    Batch.objects.filter(pk=batch_id, surface=Surface.NATIVE, status=S.QUEUED).update(status=S.RUNNING)
+
+
+def _fenced(item: Item):
+    """The item's row, only while this claim still holds it (state, lease owner, attempt)."""
+    return Item.objects.filter(pk=item.pk, state=St.RUNNING, lease_owner=item.lease_owner, attempt=item.attempt)
+
+
+def finish_item(item: Item, state: str, record: Callable[[], None], **fields) -> bool:
+    """running → `state` (final), fenced on the claim, with the usage event(s) in the same transaction.
+
+    `record` writes the usage events; it runs only when the fenced write won.
+    False: the lease was lost (the sweeper gave the item to someone else) and
+    nothing was written. The batch's completion is checked once this commits.
+    """
+    if state not in ITEM_TRANSITIONS[St.RUNNING] or state == St.AVAILABLE:
+        raise IllegalTransition(f"item: running → {state!r} is not a finish")
+    with transaction.atomic():
+        if not _fenced(item).update(state=state, finished_at=timezone.now(), lease_expires_at=None, **fields):
+            return False
+        record()
+        batch_id = item.batch_id
+        transaction.on_commit(lambda: complete_if_done(batch_id))
+    return True
+
+
+def rescue_expired_leases(now) -> int:
+    """running → available for items whose lease ran out with attempts left (their worker died)."""
+    return Item.objects.filter(state=St.RUNNING, lease_expires_at__lt=now, attempt__lt=F("max_attempts")).update(
+        state=St.AVAILABLE, lease_owner="", lease_expires_at=None
+    )
+
+
+def discard_lost_items(now, record: Callable[[object, object], None]) -> int:
+    """running → discarded (worker_lost) for expired leases on their last attempt, each with its usage event."""
+    lost = list(Item.objects.filter(state=St.RUNNING, lease_expires_at__lt=now).values_list("id", "batch_id")[:1000])
+    n = 0
+    for item_id, batch_id in lost:
+        with transaction.atomic():
+            done = Item.objects.filter(pk=item_id, state=St.RUNNING, lease_expires_at__lt=now).update(
+                state=St.DISCARDED,
+                finished_at=now,
+                lease_owner="",
+                lease_expires_at=None,
+                error="batch: worker lost the item on every attempt",
+                error_code=Code.WORKER_LOST,
+            )
+            if done:
+                record(item_id, batch_id)
+                transaction.on_commit(lambda b=batch_id: complete_if_done(b))
+                n += 1
+    return n
+
+
+# --- batch completion ---------------------------------------------------------------------------
+
+
+def complete_if_done(batch_id) -> bool:
+    """Once every item is final: a native batch completes (or, cancelled, is stamped completed_at);
+    an OpenAI batch moves to finalizing and its finalization is handed off. True when all are final.
+
+    Idempotent and safe to call from anywhere, any number of times.
+    """
+    if Item.objects.filter(batch_id=batch_id, state__in=PENDING_STATES).exists():
+        return False
+    row = Batch.objects.filter(pk=batch_id).values_list("surface", "status").first()
+    if row is None:
+        return True
+    surface, status = row
+    if surface == Surface.NATIVE:
+        if status == S.CANCELLED:
+            Batch.objects.filter(pk=batch_id, completed_at__isnull=True).update(completed_at=timezone.now())
+        elif status in OPEN[Surface.NATIVE]:
+            move(batch_id, surface, S.COMPLETED)
+        return True
+    if status == S.IN_PROGRESS:
+        move(batch_id, surface, S.FINALIZING, frm=[S.IN_PROGRESS])
+        status = S.FINALIZING
+    if status in (S.FINALIZING, S.CANCELLING):
+        transaction.on_commit(lambda: hand_off("finalize_openai_batch", batch_id))
+    return True
+
+
+def unfinished_batches(limit: int = 100) -> list:
+    """Open batches whose items are all final: what `complete_if_done` missed (a crash between commit and check)."""
+    pending = Item.objects.filter(batch_id=OuterRef("pk"), state__in=PENDING_STATES)
+    native = Q(surface=Surface.NATIVE, completed_at__isnull=True, status__in=[S.QUEUED, S.RUNNING, S.CANCELLED])
+    openai = Q(surface=Surface.OPENAI, status__in=[S.IN_PROGRESS, S.FINALIZING, S.CANCELLING])
+    return list(
+        Batch.objects.filter(native | openai)
+        .filter(total_items__gt=0)
+        .filter(~Exists(pending))
+        .values_list("id", "surface", "status", "finalizing_at", "cancelling_at")[:limit]
+    )
+
+
+# --- stopping a batch ---------------------------------------------------------------------------
+
+
+def cancel_native(batch_id) -> None:
+    """Cancel a native batch: pending items now; running ones at their next heartbeat, on every replica."""
+    now = timezone.now()
+    with transaction.atomic():
+        Batch.objects.filter(pk=batch_id, cancel_requested_at__isnull=True).update(cancel_requested_at=now)
+        move(batch_id, Surface.NATIVE, S.CANCELLED, frm=OPEN[Surface.NATIVE])
+        cancel_pending_items(batch_id, Code.BATCH_CANCELLED)
+    complete_if_done(batch_id)
+
+
+def cancel_openai(batch_id) -> bool:
+    """validating|in_progress → cancelling; pending records cancelled now. True if it moved."""
+    now = timezone.now()
+    with transaction.atomic():
+        # Waits for a running validation (it holds the row) and re-checks the status after it.
+        moved = move(batch_id, Surface.OPENAI, S.CANCELLING, frm=OPENAI_STOPPABLE, cancel_requested_at=now)
+        if moved:
+            cancel_pending_items(batch_id, Code.BATCH_CANCELLED)
+    if moved:
+        complete_if_done(batch_id)
+    return moved
+
+
+def expire_openai(batch_id, now) -> bool:
+    """The window closed: validating|in_progress → finalizing (expired_at set); pending records end
+    as batch_expired, running ones stop at their next heartbeat (they read the cancel flag)."""
+    with transaction.atomic():
+        if lock(batch_id, Surface.OPENAI, OPENAI_STOPPABLE) is None:
+            return False  # finished meanwhile, or a validation holds it: the next sweep
+        move(
+            batch_id,
+            Surface.OPENAI,
+            S.FINALIZING,
+            frm=OPENAI_STOPPABLE,
+            finalizing_at=now,
+            expired_at=now,
+            cancel_requested_at=now,
+        )
+        cancel_pending_items(batch_id, Code.BATCH_EXPIRED)
+    complete_if_done(batch_id)
+    return True
+
+
+def cancel_orphans() -> int:
+    """Available items of batches whose cancel flag is set: a crash between the flag and the items."""
+    n = 0
+    flagged = (
+        Item.objects.filter(state=St.AVAILABLE, batch__cancel_requested_at__isnull=False)
+        .values_list("batch_id", "batch__expired_at")
+        .distinct()[:100]
+    )
+    for batch_id, expired_at in flagged:
+        n += cancel_pending_items(batch_id, Code.BATCH_EXPIRED if expired_at else Code.BATCH_CANCELLED)
+        complete_if_done(batch_id)
+    return n
+
+
+# --- hand-offs to Celery ------------------------------------------------------------------------
+
+
+def hand_off(task: str, batch_id, queue: str = CONTROL_QUEUE) -> None:
+    """Send a control message (validate/finalize) by task name; if it is lost, the sweeper sends it again."""
+    from relay.celery import app
+
+    try:
+        app.send_task(f"batches.tasks.{task}", args=[str(batch_id)], queue=queue)
+    except Exception:  # the broker is down: the sweeper re-dispatches
+        log.warning("could not hand off %s for batch %s", task, batch_id, exc_info=True)
+
+
+def redispatch(task: str, batch_id) -> None:
+    """At most one re-sent control message per batch per lease period, however often the sweeper runs."""
+    import redis
+
+    from relay.redis import get_redis
+
+    try:
+        key = f"batch_redispatch:{task}:{batch_id}"
+        fresh = get_redis().set(key, 1, nx=True, ex=settings.RELAY_BATCH_LEASE_SECONDS)
+    except redis.RedisError:
+        return
+    if fresh:
+        hand_off(task, batch_id)
+
+
+def queue_length(queue: str) -> int | None:
+    """Messages waiting in a broker queue, read over the broker's own connection (None if unreachable)."""
+    from kombu.exceptions import ChannelError
+
+    from relay.celery import app
+
+    try:
+        with app.connection_or_acquire() as conn:
+            return conn.default_channel.queue_declare(queue=queue, passive=True).message_count
+    except ChannelError:  # no such queue yet: nothing is waiting in it
+        return 0
+    except Exception:  # the broker is down: the sweeper will try again
+        log.warning("could not read the length of queue %s", queue, exc_info=True)
+        return None
+
+
+def wake_workers() -> int:
+    """Keep at most RELAY_BATCH_WAKEUP_WINDOW wake-ups queued while work is available.
+
+    Redis never holds one message per item: which item runs is decided at
+    claim time. A lost wake-up only costs latency until the next sweep.
+    """
+    from relay.celery import app
+
+    if not Item.objects.filter(state=St.AVAILABLE).exists():
+        return 0
+    queued = queue_length(ITEM_QUEUE)
+    if queued is None:
+        return 0
+    missing = max(0, settings.RELAY_BATCH_WAKEUP_WINDOW - queued)
+    for _ in range(missing):
+        app.send_task("batches.tasks.run_items", queue=ITEM_QUEUE)
+    return missing
