@@ -5,8 +5,8 @@ import re
 import uuid
 from collections.abc import Iterator
 
-from django.db.models import Count, Sum
-from django.db.models.functions import Coalesce
+from django.db.models import CharField, Count, IntegerField, OuterRef, Subquery, Sum
+from django.db.models.functions import Cast, Coalesce
 
 from batches import storage
 from batches.errors import invalid, not_found
@@ -131,13 +131,12 @@ def is_openai_batch_id(value: str) -> bool:
     return value.startswith("batch_")
 
 
-def openai_batch_for_owner(public_id: str, principal: Principal) -> Batch:
+def openai_batch_for_owner(public_id: str, principal: Principal, *, progress: bool = False) -> Batch:
+    """The OpenAI-surface batch if this caller created it (404 otherwise); with its counts and usage
+    in the same query when `progress` (for showing it, not for changing it)."""
     pk = parse_public_id(public_id, "batch_")
-    batch = (
-        Batch.objects.filter(pk=pk, owner_hash=principal.owner_hash, surface=Surface.OPENAI).first()
-        if pk is not None
-        else None
-    )
+    qs = Batch.objects.filter(pk=pk, owner_hash=principal.owner_hash, surface=Surface.OPENAI)
+    batch = (with_progress(qs) if progress else qs).first() if pk is not None else None
     if batch is None:
         raise not_found(f"No batch found with id '{public_id}'.")
     return batch
@@ -181,18 +180,56 @@ def openai_batches_page(principal: Principal, after: str | None, limit: str | No
 
     Ids are UUIDv7, so id order is creation order and `after` is a keyset
     cursor: a page is one index range scan however many batches there are.
+    Each row carries its counts and usage totals (`with_progress`), so a page
+    of batch objects is one query, not two more per batch.
     """
     cursor, n = _page_params(after, limit, prefix="batch_", default=20, maximum=100)
     qs = Batch.objects.filter(owner_hash=principal.owner_hash, surface=Surface.OPENAI).order_by("-id")
     if cursor is not None:
         qs = qs.filter(id__lt=cursor)
-    rows = list(qs[: n + 1])
+    rows = list(with_progress(qs)[: n + 1])
     return rows[:n], len(rows) > n
+
+
+_COUNTED = (ItemState.COMPLETED, ItemState.DISCARDED, ItemState.CANCELLED)
+_USAGE_SUMS = {
+    "usage_input": "input_tokens",
+    "usage_cache_read": "cache_read_tokens",
+    "usage_cache_write": "cache_write_tokens",
+    "usage_output": "output_tokens",
+}
+
+
+def with_progress(qs):
+    """Annotate batches with their item counts per final state and their usage totals.
+
+    Each is a correlated subquery on an index (items by batch and state, events
+    by batch id), so the whole page is one statement whatever its size.
+    """
+    annotations = {}
+    for state in _COUNTED:
+        items = Item.objects.filter(batch_id=OuterRef("pk"), state=state).order_by()
+        annotations[f"n_{state}"] = Subquery(
+            items.values("batch_id").annotate(c=Count("*")).values("c"), output_field=IntegerField()
+        )
+    events = UsageEvent.objects.filter(batch_id=Cast(OuterRef("pk"), CharField())).order_by()
+    by_batch = events.values("batch_id")
+    annotations["usage_n"] = Subquery(by_batch.annotate(v=Count("*")).values("v"), output_field=IntegerField())
+    for name, column in _USAGE_SUMS.items():
+        annotations[name] = Subquery(by_batch.annotate(v=Sum(column)).values("v"), output_field=IntegerField())
+    annotations["usage_cost"] = Subquery(
+        by_batch.annotate(v=Sum(Coalesce("billed_cost_nano_usd", "cost_nano_usd"))).values("v"),
+        output_field=IntegerField(),
+    )
+    return qs.annotate(**annotations)
 
 
 def request_counts(batch: Batch) -> dict:
     """OpenAI's {total, completed, failed}: cancelled and expired records count as failed."""
-    states = counts(batch)
+    if hasattr(batch, "n_completed"):
+        states = {state: getattr(batch, f"n_{state}") or 0 for state in _COUNTED}
+    else:
+        states = counts(batch)
     return {
         "total": batch.total_items,
         "completed": states.get(ItemState.COMPLETED, 0),
@@ -207,14 +244,21 @@ def usage(batch: Batch) -> dict | None:
     (billed_cost_nano_usd), or its cost where no discount applies. Unpriced
     events add tokens but no cost.
     """
-    totals = UsageEvent.objects.filter(batch_id=str(batch.id)).aggregate(
-        n=Count("id"),
-        input=Coalesce(Sum("input_tokens"), 0),
-        cache_read=Coalesce(Sum("cache_read_tokens"), 0),
-        cache_write=Coalesce(Sum("cache_write_tokens"), 0),
-        output=Coalesce(Sum("output_tokens"), 0),
-        cost=Coalesce(Sum(Coalesce("billed_cost_nano_usd", "cost_nano_usd")), 0),
-    )
+    if hasattr(batch, "usage_n"):
+        totals = {
+            "n": batch.usage_n or 0,
+            **{name[len("usage_") :]: getattr(batch, name) or 0 for name in _USAGE_SUMS},
+            "cost": batch.usage_cost or 0,
+        }
+    else:
+        totals = UsageEvent.objects.filter(batch_id=str(batch.id)).aggregate(
+            n=Count("id"),
+            input=Coalesce(Sum("input_tokens"), 0),
+            cache_read=Coalesce(Sum("cache_read_tokens"), 0),
+            cache_write=Coalesce(Sum("cache_write_tokens"), 0),
+            output=Coalesce(Sum("output_tokens"), 0),
+            cost=Coalesce(Sum(Coalesce("billed_cost_nano_usd", "cost_nano_usd")), 0),
+        )
     if not totals["n"]:
         return None
     # OpenAI's input_tokens include cached ones (cached_tokens is a detail of it).

@@ -105,7 +105,8 @@ class BatchDetailView(_SurfaceView):
         if not self.openai_errors:
             batch = selectors.batch_for_owner(batch_id, request.user)
             return StreamingHttpResponse(selectors.iter_status_json(batch), content_type="application/json")
-        return JsonResponse(serializers.batch(selectors.openai_batch_for_owner(batch_id, request.user)))
+        batch = selectors.openai_batch_for_owner(batch_id, request.user, progress=True)
+        return JsonResponse(serializers.batch(batch))
 
 
 class BatchResultsView(_SurfaceView):

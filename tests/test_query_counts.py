@@ -1,0 +1,131 @@
+"""Statement counts of the hot paths, pinned: a change that adds a query per request, per item or
+per listed batch fails here instead of showing up later as a slower benchmark.
+
+The numbers are today's best, pinned exactly: a change that saves a statement
+lowers its pin here. Counting statements (not timing them) is exact and immune
+to a noisy machine. The live request and the item run count every statement of
+the request's own connection (authentication, routing, usage event; claim, run,
+finish); a batch list must cost the same for one batch as for five.
+"""
+
+import io
+import json
+
+import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
+
+from batches import ingest, openai_batches, services, validation
+from relay import auth
+
+pytestmark = pytest.mark.django_db
+runs_items = pytest.mark.django_db(transaction=True)
+
+CHAT = "/v1/chat/completions"
+
+# Pinned statement counts (see the module docstring).
+LIVE_REQUEST = 5
+BATCH_ITEM_RUN = 14
+OPENAI_LIST_PAGE = 3
+OPENAI_RETRIEVE = 3
+NATIVE_STATUS = 4
+NATIVE_RESULTS = 3
+FILES_LIST = 3
+FILE_RETRIEVE = 3
+
+
+def count(fn) -> int:
+    with CaptureQueriesContext(connection) as ctx:
+        fn()
+    return len(ctx.captured_queries)
+
+
+def bearer(catalog) -> dict:
+    return {"Authorization": f"Bearer {catalog.key}"}
+
+
+def openai_batch(catalog, n=2):
+    principal = auth.principal_for_key(catalog.key)
+    records = [
+        {
+            "custom_id": f"r{i}",
+            "method": "POST",
+            "url": CHAT,
+            "body": {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]},
+        }
+        for i in range(n)
+    ]
+    body = {"endpoint": CHAT, "completion_window": "24h", "requests": records}
+    with ingest.read_submission(io.BytesIO(json.dumps(body).encode()), 10**7, 100) as submission:
+        batch = openai_batches.create(principal, submission)
+    validation.validate(batch.id)
+    return batch
+
+
+def native_batch(catalog, n=3):
+    principal = auth.principal_for_key(catalog.key)
+    body = {"shape": "openai", "requests": [{"model": "gpt-4o", "messages": []}] * n}
+    return services.submit_native(principal, io.BytesIO(json.dumps(body).encode()))
+
+
+def test_one_live_request(client, catalog):
+    body = {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}
+
+    def call():
+        resp = client.post(CHAT, data=body, content_type="application/json", headers=bearer(catalog))
+        assert resp.status_code == 200, resp.content
+
+    call()  # warm: first-use caches are not what is pinned
+    n = count(call)
+    assert n == LIVE_REQUEST
+
+
+@runs_items
+def test_one_batch_item_run(catalog, fake):
+    native_batch(catalog, n=2)
+    services.run_item(services.claim("warm"))
+    n = count(lambda: services.run_item(services.claim("test-runner")))
+    assert n == BATCH_ITEM_RUN
+
+
+def test_openai_list_is_one_query_per_page_whatever_its_size(client, catalog):
+    openai_batch(catalog)
+    one = count(lambda: client.get("/v1/batches", headers=bearer(catalog)))
+    for _ in range(4):
+        openai_batch(catalog)
+
+    def page():
+        resp = client.get("/v1/batches", headers=bearer(catalog))
+        assert resp.status_code == 200 and len(resp.json()["data"]) == 5
+
+    five = count(page)
+    assert five == one == OPENAI_LIST_PAGE
+
+
+def test_openai_retrieve(client, catalog):
+    batch = openai_batch(catalog)
+    n = count(lambda: client.get(f"/v1/batches/{batch.public_id}", headers=bearer(catalog)))
+    assert n == OPENAI_RETRIEVE
+
+
+def test_native_status_and_results(client, catalog):
+    batch = native_batch(catalog, n=3)
+
+    def status():
+        resp = client.get(f"/v1/batches/{batch.id}", headers=bearer(catalog))
+        b"".join(resp.streaming_content)
+
+    def results():
+        resp = client.get(f"/v1/batches/{batch.id}/results", headers=bearer(catalog))
+        b"".join(resp.streaming_content)
+
+    s, r = count(status), count(results)
+    assert (s, r) == (NATIVE_STATUS, NATIVE_RESULTS)
+
+
+def test_files_list_and_retrieve(client, catalog):
+    batch = openai_batch(catalog)
+    file_id = f"file-{batch.input_file_id.hex}"
+    listed = count(lambda: client.get("/v1/files", headers=bearer(catalog)))
+    one = count(lambda: client.get(f"/v1/files/{file_id}", headers=bearer(catalog)))
+    assert (listed, one) == (FILES_LIST, FILE_RETRIEVE)
