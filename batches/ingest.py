@@ -20,6 +20,7 @@ import ijson
 from django.conf import settings
 
 from relay.errors import RelayError
+from relay.http import too_large
 
 # However large RELAY_MAX_REQUEST_BYTES is set, one batch body or input line is never read past this.
 HARD_BODY_CAP = 64 * 1024 * 1024
@@ -46,7 +47,7 @@ class LimitedStream:
         chunk = self.raw.read(64 * 1024 if n is None or n < 0 else n)
         self.seen += len(chunk)
         if self.seen > self.limit:
-            raise RelayError(400, "request_too_large", f"request body exceeds {self.limit} bytes")
+            raise too_large(self.limit, status=400)  # spec 000: "A larger body gets 400"
         self.sha256.update(chunk)
         return chunk
 

@@ -64,7 +64,7 @@ S, St = BatchStatus, ItemState
 # Item work: one wake-up message runs items in one of a worker's 8 slots.
 ITEM_QUEUE = "batch"
 # Control work (sweeping, validation, finalization): never takes an item slot.
-CONTROL_QUEUE = "batch"
+CONTROL_QUEUE = "control"
 
 # --- the transition tables ----------------------------------------------------------------------
 

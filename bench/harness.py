@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from relay.processes import worker_argv
+from relay.processes import fleet
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -178,19 +178,21 @@ class Stack:
         return web
 
     def start_worker(self) -> "Proc":
-        """One Celery worker as in production (8 prefork slots on batch,default) with the sweeper (-B)."""
-        proc = self.spawn(
-            "worker",
-            worker_argv(PY, "bench", beat_schedule=str(self.tmp / "celerybeat-schedule")),
-        )
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            if proc.popen.poll() is not None:
-                raise RuntimeError(f"celery worker exited with {proc.popen.returncode}\n{proc.tail()}")
-            if b" ready." in proc.logfile.read_bytes():
-                return proc
-            time.sleep(0.2)
-        raise RuntimeError(f"celery worker not ready after 90 s\n{proc.tail()}")
+        """The relay's background processes as in production (relay.processes.fleet: the 8-slot item
+        worker, the control worker, beat); returns the item worker."""
+        started = {}
+        for role, argv in fleet(PY, "bench", schedule=str(self.tmp / "celerybeat-schedule")):
+            started[role] = self.spawn(role, argv)
+        for role in ("worker", "control"):
+            proc = started[role]
+            deadline = time.monotonic() + 90
+            while b" ready." not in proc.logfile.read_bytes():
+                if proc.popen.poll() is not None:
+                    raise RuntimeError(f"celery {role} exited with {proc.popen.returncode}\n{proc.tail()}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"celery {role} not ready after 90 s\n{proc.tail()}")
+                time.sleep(0.2)
+        return started["worker"]
 
 
 @dataclass

@@ -5,7 +5,7 @@
   as broker and shared state store, on 127.0.0.1 only, keeping nothing on disk;
 - the DEMO upstream (canned replies, clearly labelled; not a model);
 - the API and admin (gunicorn) on :8080;
-- the Celery batch worker (queue `batch`, 8 slots) and the periodic jobs (beat).
+- the Celery item worker (queue `batch`, 8 slots), the control worker (queue `control`) and beat.
 State lives in SQLite under `.relay-embedded/`. Secrets are generated on first
 start and kept there (mode 0600) so restarts can still decrypt host keys.
 Ctrl-C stops everything.
@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from relay.processes import worker_argv
+from relay.processes import fleet
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 STATE_DIR = BASE_DIR / ".relay-embedded"
@@ -154,22 +154,9 @@ def main() -> None:
             "-",
         ],
     )
-    spawn("batch worker", worker_argv(py, "embedded"))
-    spawn(
-        "periodic jobs",
-        [
-            py,
-            "-m",
-            "celery",
-            "-A",
-            "relay",
-            "beat",
-            "--loglevel",
-            "WARNING",
-            "-s",
-            str(STATE_DIR / "celerybeat-schedule"),
-        ],
-    )
+    # The item worker, the control worker and beat: the same set compose.yaml declares.
+    for role, argv in fleet(py, "embedded", schedule=str(STATE_DIR / "celerybeat-schedule"), loglevel="WARNING"):
+        spawn(role, argv)
     _wait_port(api_port, "API", timeout=60)
     print(
         "\n"

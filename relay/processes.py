@@ -1,21 +1,43 @@
-"""Command lines of the relay's processes, shared by embedded mode, the tests and the benchmarks,
-so each runs the worker exactly as production does (compose.yaml says the same)."""
+"""The relay's background processes, defined once.
+
+compose.yaml (`python -m relay.processes worker|control|beat`), embedded mode,
+the tests and the benchmarks all start them from here, so each runs exactly as
+production does:
+
+- `worker`  — item work: queue `batch`, 8 slots per replica shared by every batch (design §4).
+- `control` — control work: queue `control` (sweeping, validation, finalization) and `default`.
+  Its own pool, so control work never waits behind items and never takes an item slot.
+- `beat`    — the periodic jobs (the sweeper), one per deployment.
+
+Usage: `python -m relay.processes ROLE [--name NAME] [--schedule FILE] [--loglevel LEVEL]`.
+"""
+
+import argparse
+import os
+import sys
+import tempfile
 
 # 8 items in flight per replica, shared by all batches (design §4).
 WORKER_CONCURRENCY = 8
+# Validation and finalization of large batches take seconds; two slots keep one
+# long job (or one frozen process) from holding up the sweeper.
+CONTROL_CONCURRENCY = 2
+ITEM_QUEUES = "batch"
+CONTROL_QUEUES = "control,default"
+ROLES = ("worker", "control", "beat")
 
 
-def worker_argv(python: str, name: str, *, loglevel: str = "INFO", beat_schedule: str | None = None) -> list[str]:
-    """The Celery batch worker; with `beat_schedule` it also runs the periodic jobs (-B)."""
-    argv = [
-        python,
-        "-m",
-        "celery",
-        "-A",
-        "relay",
+def _celery(python: str) -> list[str]:
+    return [python, "-m", "celery", "-A", "relay"]
+
+
+def worker_argv(python: str, name: str, *, loglevel: str = "INFO") -> list[str]:
+    """The item worker: queue `batch`, 8 prefork slots."""
+    return [
+        *_celery(python),
         "worker",
         "-Q",
-        "batch,default",
+        ITEM_QUEUES,
         "-c",
         str(WORKER_CONCURRENCY),
         "-P",
@@ -23,8 +45,57 @@ def worker_argv(python: str, name: str, *, loglevel: str = "INFO", beat_schedule
         "--loglevel",
         loglevel,
         "-n",
-        f"{name}@%h",
+        f"items-{name}@%h",
     ]
-    if beat_schedule:
-        argv += ["-B", "-s", beat_schedule]
-    return argv
+
+
+def control_argv(python: str, name: str, *, loglevel: str = "INFO") -> list[str]:
+    """The control worker: sweeping, validation and finalization, on their own queue and pool."""
+    return [
+        *_celery(python),
+        "worker",
+        "-Q",
+        CONTROL_QUEUES,
+        "-c",
+        str(CONTROL_CONCURRENCY),
+        "-P",
+        "prefork",
+        "--loglevel",
+        loglevel,
+        "-n",
+        f"control-{name}@%h",
+    ]
+
+
+def beat_argv(python: str, schedule: str, *, loglevel: str = "INFO") -> list[str]:
+    """The periodic jobs. `schedule` is beat's state file: keep it out of the working directory."""
+    return [*_celery(python), "beat", "--loglevel", loglevel, "-s", schedule]
+
+
+def fleet(python: str, name: str, *, schedule: str, loglevel: str = "INFO") -> list[tuple[str, list[str]]]:
+    """Every background process a relay needs, as (role, argv): what compose.yaml declares."""
+    return [
+        ("worker", worker_argv(python, name, loglevel=loglevel)),
+        ("control", control_argv(python, name, loglevel=loglevel)),
+        ("beat", beat_argv(python, schedule, loglevel=loglevel)),
+    ]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m relay.processes", description=__doc__.split("\n\n")[0])
+    parser.add_argument("role", choices=ROLES)
+    parser.add_argument("--name", default=os.environ.get("HOSTNAME", "relay"))
+    parser.add_argument("--schedule", default=os.path.join(tempfile.gettempdir(), "relay-celerybeat-schedule"))
+    parser.add_argument("--loglevel", default=os.environ.get("LOG_LEVEL", "INFO"))
+    args = parser.parse_args(argv)
+    if args.role == "worker":
+        cmd = worker_argv(sys.executable, args.name, loglevel=args.loglevel)
+    elif args.role == "control":
+        cmd = control_argv(sys.executable, args.name, loglevel=args.loglevel)
+    else:
+        cmd = beat_argv(sys.executable, args.schedule, loglevel=args.loglevel)
+    os.execv(sys.executable, cmd)  # become the process: signals from compose reach Celery directly
+
+
+if __name__ == "__main__":
+    main()

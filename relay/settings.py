@@ -174,7 +174,12 @@ RELAY_BATCH_SWEEP_SECONDS = env.float("RELAY_BATCH_SWEEP_SECONDS", default=5.0)
 # Wake-up messages kept queued in Redis at most (a bounded window, not one per item).
 RELAY_BATCH_WAKEUP_WINDOW = env.int("RELAY_BATCH_WAKEUP_WINDOW", default=16)
 
-CELERY_TASK_ROUTES = {"batches.tasks.*": {"queue": "batch"}}
+# Item work on `batch` (the 8-slot item worker); everything else of batches — sweeping,
+# validation, finalization — on `control`, its own worker (relay/processes.py).
+CELERY_TASK_ROUTES = {
+    "batches.tasks.run_items": {"queue": "batch"},
+    "batches.tasks.*": {"queue": "control"},
+}
 CELERY_BEAT_SCHEDULE = {
     "batch-sweeper": {"task": "batches.tasks.sweep", "schedule": RELAY_BATCH_SWEEP_SECONDS},
 }

@@ -35,6 +35,51 @@ def fake(upstream):
     return upstream
 
 
+@pytest.fixture(scope="module")
+def worker_env():
+    """Extra environment for the module's worker processes; a test module overrides it when it needs some."""
+    return {}
+
+
+@pytest.fixture(scope="module")
+def worker(request, django_db_setup, django_db_blocker, worker_env):
+    """The relay's background processes (item worker, control worker, beat) for a test module."""
+    from django.db import connection
+
+    from tests.workers import Worker, database_url
+
+    name = request.module.__name__.rsplit(".", 1)[-1].replace("_", "-")
+    w = Worker(database_url(connection.settings_dict), name, extra_env=worker_env)
+    yield w
+    w.stop()
+
+
+@pytest.fixture
+def db_url(django_db_setup):
+    from django.db import connection
+
+    from tests.workers import database_url
+
+    return database_url(connection.settings_dict)
+
+
+@pytest.fixture
+def workers(db_url):
+    """Start fleets of background processes in a test; each is stopped at its end."""
+    from tests.workers import Worker
+
+    started = []
+
+    def start(name, extra_env=None):
+        w = Worker(db_url, name, extra_env=extra_env)
+        started.append(w)
+        return w
+
+    yield start
+    for w in started:
+        w.stop()
+
+
 @pytest.fixture
 def catalog(db, fake):
     """A small catalog on the fake upstream, with a service-account key."""

@@ -12,33 +12,12 @@ import requests
 from batches.models import Batch, Item
 from relay.demo_upstream import Reply
 from relay.redis import get_redis
-from tests.workers import Worker, database_url, wait_for
+from tests.workers import wait_for
 from usage.models import UsageEvent
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 CHAT = {"model": "gpt-4o", "messages": [{"role": "user", "content": "durable"}]}
-
-
-@pytest.fixture
-def db_url(django_db_setup):
-    from django.db import connection
-
-    return database_url(connection.settings_dict)
-
-
-@pytest.fixture
-def workers(db_url):
-    started = []
-
-    def start(name):
-        w = Worker(db_url, name)
-        started.append(w)
-        return w
-
-    yield start
-    for w in started:
-        w.stop()
 
 
 def submit(live_server, key, n):

@@ -8,7 +8,6 @@ import pytest
 from tests.test_openai_batches import by_custom_id, jsonl, wait_status
 from tests.test_tool_loop import QUESTION, final_turn, tool_turn
 from tests.tls.servers import Step
-from tests.workers import Worker, database_url
 from usage.models import UsageEvent
 
 pytest_plugins = ["tests.tls.fixtures"]
@@ -21,14 +20,9 @@ TOOLS = [
 
 
 @pytest.fixture(scope="module")
-def worker(django_db_setup, django_db_blocker, test_pki):
-    from django.db import connection
-
+def worker_env(test_pki):
     # TEST-ONLY: the worker may reach executors on loopback, verified with the throwaway CA.
-    env = {"RELAY_TOOL_EXECUTOR_TEST_LOOPBACK_CA": str(test_pki.ca_cert)}
-    w = Worker(database_url(connection.settings_dict), "tool-batch-tests", extra_env=env)
-    yield w
-    w.stop()
+    return {"RELAY_TOOL_EXECUTOR_TEST_LOOPBACK_CA": str(test_pki.ca_cert)}
 
 
 @pytest.fixture

@@ -19,21 +19,12 @@ from relay.demo_upstream import Reply
 from relay.models import RelayKey
 from relay.services import create_relay_key, revoke_relay_key, rotate_relay_key
 from tests import factories
-from tests.workers import Worker, database_url, wait_for
+from tests.workers import wait_for
 from usage.models import UsageEvent
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 CHAT = {"model": "gpt-4o", "messages": [{"role": "user", "content": "batch hello"}]}
-
-
-@pytest.fixture(scope="module")
-def worker(django_db_setup, django_db_blocker):
-    from django.db import connection
-
-    w = Worker(database_url(connection.settings_dict), "batch-tests")
-    yield w
-    w.stop()
 
 
 class Api:

@@ -15,7 +15,7 @@ from batches.models import Batch, File, Item
 from policies.models import Policy
 from relay.demo_upstream import Reply
 from relay.services import create_relay_key
-from tests.workers import Worker, database_url, wait_for
+from tests.workers import wait_for
 from usage.models import UsageEvent
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -24,15 +24,6 @@ pytestmark = pytest.mark.django_db(transaction=True)
 in_process = pytest.mark.django_db
 
 TERMINAL = {"completed", "failed", "expired", "cancelled"}
-
-
-@pytest.fixture(scope="module")
-def worker(django_db_setup, django_db_blocker):
-    from django.db import connection
-
-    w = Worker(database_url(connection.settings_dict), "openai-batch-tests")
-    yield w
-    w.stop()
 
 
 @pytest.fixture

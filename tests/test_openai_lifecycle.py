@@ -347,13 +347,13 @@ def test_sweeper_resends_lost_messages_and_finishes_a_racing_batch(catalog, fake
     from relay.redis import get_redis
 
     batch = create(catalog, [record("a")])
-    get_redis().delete("batch")  # the validate message is lost
+    get_redis().delete("control")  # the validate message is lost
     Batch.objects.filter(pk=batch.pk).update(created_at=timezone.now() - timedelta(minutes=5))
     services.sweep()
-    queued = [json.loads(m)["headers"]["task"] for m in get_redis().lrange("batch", 0, -1)]
+    queued = [json.loads(m)["headers"]["task"] for m in get_redis().lrange("control", 0, -1)]
     assert queued == ["batches.tasks.validate_openai_batch"]
     services.sweep()  # debounced: not sent twice in one lease period
-    assert get_redis().llen("batch") == 1
+    assert get_redis().llen("control") == 1
     validation.validate(batch.id)
     run_all()
     # As if the last item's completion check had raced another item's: all final, still in_progress.

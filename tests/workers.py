@@ -1,9 +1,9 @@
 """Real Celery worker processes for end-to-end batch tests (no eager mode).
 
-A worker is started exactly as in production (`celery -A relay worker -Q
-batch,default -c 8`, prefork, with the sweeper embedded via -B), against the
-test database and the test Redis, with short lease/heartbeat/sweep settings
-so crash recovery is observable in seconds.
+The relay's background processes are started exactly as in production
+(relay.processes: the 8-slot item worker on `batch`, the control worker on
+`control`, beat), against the test database and the test Redis, with short
+lease/heartbeat/sweep settings so crash recovery is observable in seconds.
 """
 
 import os
@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from relay.processes import worker_argv
+from relay.processes import fleet
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -33,43 +33,76 @@ def database_url(settings_dict: dict) -> str:
 
 
 class Worker:
+    """The relay's background processes (relay.processes.fleet: item worker, control worker, beat),
+    each in its own process group, started exactly as compose.yaml starts them."""
+
     def __init__(self, db_url: str, name: str, extra_env: dict | None = None, beat: bool = True):
         self.name = name
         self.schedule = tempfile.mkdtemp(prefix="relay-beat-")
         env = dict(os.environ, DATABASE_URL=db_url, **TEST_BATCH_ENV, **(extra_env or {}))
-        beat = os.path.join(self.schedule, "beat") if beat else None
-        args = worker_argv(sys.executable, name, loglevel="WARNING", beat_schedule=beat)
-        args += ["--without-gossip", "--without-mingle"]
-        self.log = open(os.path.join(self.schedule, "worker.log"), "w+b")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            args, env=env, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
-        )
+        self.logs, self.procs = {}, {}
+        schedule = os.path.join(self.schedule, "beat")
+        for role, args in fleet(sys.executable, name, schedule=schedule, loglevel="WARNING"):
+            if role == "beat" and not beat:
+                continue
+            if role != "beat":
+                args = [*args, "--without-gossip", "--without-mingle"]
+            log = open(os.path.join(self.schedule, f"{role}.log"), "w+b")  # noqa: SIM115 - closed in stop()
+            self.logs[role] = log
+            self.procs[role] = subprocess.Popen(
+                args, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+
+    @property
+    def proc(self) -> subprocess.Popen:
+        """The item worker (the one holding the 8 slots)."""
+        return self.procs["worker"]
 
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        return all(p.poll() is None for p in self.procs.values())
 
-    def kill(self) -> None:
-        """SIGKILL the whole worker (pool children included), like an OOM kill or a lost node."""
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait(timeout=10)
-
-    def stop(self) -> None:
-        if self.alive():
+    def kill(self, role: str | None = None) -> None:
+        """SIGKILL the processes (pool children included), like an OOM kill or a lost node."""
+        for name, proc in self.procs.items():
+            if role is not None and name != role:
+                continue
             try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.kill()
+                os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        self.log.close()
+            proc.wait(timeout=10)
+
+    def signal(self, sig: int, role: str = "worker") -> None:
+        """Send a signal to one process group (SIGSTOP freezes it, SIGCONT thaws it)."""
+        os.killpg(self.procs[role].pid, sig)
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGCONT)  # a frozen process cannot act on SIGTERM
+                    os.killpg(proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait(timeout=10)
+        for log in self.logs.values():
+            log.close()
 
     def output(self) -> str:
-        self.log.flush()
-        return Path(self.log.name).read_text(errors="replace")[-5000:]
+        parts = []
+        for role, log in self.logs.items():
+            if not log.closed:
+                log.flush()
+            parts.append(f"--- {role} ---\n" + Path(log.name).read_text(errors="replace")[-3000:])
+        return "\n".join(parts)
 
 
 def wait_for(predicate, timeout: float, interval: float = 0.2, what: str = "condition"):

@@ -5,7 +5,7 @@
 - `executors`: run one round of tool calls on an `http` or `mcp` executor.
 - `loop`: `run_tool_loop`, the model ↔ executor loop of one record.
 
-See docs/tool-calling.md for the contract, limits, security and failure codes.
+See README.md, "Tool calling inside batch records", for the contract, limits, security and failure codes.
 
 `run_tool_loop` and `LoopResult` are imported on first use: the loop needs the
 pipeline (and so the ORM), while code that only validates a record body at

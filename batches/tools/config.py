@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from batches.tools import netguard
 
-# Failure codes a record can end with (docs/tool-calling.md lists them with their meaning).
+# Failure codes a record can end with (README.md, "Tool calling inside batch records", lists them with their meaning).
 INVALID_TOOL_CONFIG = "invalid_tool_config"
 TOOL_CONFIG_MOVED = "tool_config_moved"
 TOOL_EXECUTOR_TIMEOUT = "tool_executor_timeout"
