@@ -14,7 +14,7 @@ from django.urls import reverse
 from django.utils.html import format_html
 
 from batches import selectors, services, storage
-from batches.models import Batch, File, Item, ItemState, Surface
+from batches.models import Attempt, Batch, File, Item, ItemState, Surface
 from relay.admin_base import ViewOnlyAdmin
 
 _PREVIEW_BYTES = 4096
@@ -157,7 +157,8 @@ class BatchAdmin(ViewOnlyAdmin):
             "credential_id",
             "principal",
         )
-        sets = [(None, {"fields": common})]
+        retry = ("max_attempts", "retry_transient", "wait_for_capacity", "not_before")
+        sets = [(None, {"fields": common}), ("Waiting and retrying", {"fields": retry})]
         if obj is not None and obj.surface == Surface.OPENAI:
             sets.append(("OpenAI-compatible batch", {"fields": self._openai_fields}))
         sets.append(("Owner", {"fields": owner}))
@@ -225,9 +226,39 @@ class BatchAdmin(ViewOnlyAdmin):
         self.message_user(request, f"Cancelled {queryset.count()} batch(es).")
 
 
+class AttemptInline(admin.TabularInline):
+    """The item's attempt history: every try that reached a provider, and how it ended."""
+
+    model = Attempt
+    fields = (
+        "number",
+        "started_at",
+        "duration_ms",
+        "decision",
+        "outcome",
+        "status_code",
+        "host_key_id",
+        "error",
+        "upstream_error_body",
+    )
+    readonly_fields = fields
+    extra = 0
+    max_num = 0
+    can_delete = False
+    ordering = ("number",)
+
+    @admin.display(description="upstream error body")
+    def upstream_error_body(self, obj):
+        return format_html("<pre style='white-space:pre-wrap'>{}</pre>", obj.error_body) if obj.error_body else ""
+
+    def has_add_permission(self, request, obj=None):
+        return False
+
+
 @admin.register(Item)
 class ItemAdmin(ViewOnlyAdmin):
-    list_display = ("batch", "idx", "custom_id", "state", "attempt", "status_code", "error", "finished_at")
+    inlines = [AttemptInline]
+    list_display = ("batch", "idx", "custom_id", "state", "attempt", "retries", "status_code", "error", "finished_at")
     list_filter = ("state",)
     search_fields = ("id", "batch__id", "custom_id", "error")
     list_select_related = ("batch",)
@@ -239,7 +270,9 @@ class ItemAdmin(ViewOnlyAdmin):
         "custom_id",
         "state",
         "attempt",
+        "retries",
         "max_attempts",
+        "not_before",
         "lease_owner",
         "lease_expires_at",
         "started_at",

@@ -20,6 +20,7 @@ COLUMNS = (
     "idx",
     "state",
     "attempt",
+    "retries",
     "max_attempts",
     "lease_owner",
     "input_ref",
@@ -32,6 +33,7 @@ COLUMNS = (
 )
 _DEFAULTS = {
     "attempt": Item._meta.get_field("attempt").default,
+    "retries": Item._meta.get_field("retries").default,
     "max_attempts": Item._meta.get_field("max_attempts").default,
     "lease_owner": "",
     "result_ref": "",

@@ -36,6 +36,7 @@ importing `batches.tasks`, so nothing in `batches/` imports in a circle.
 """
 
 import logging
+import time
 from collections.abc import Callable, Iterable
 
 from django.conf import settings
@@ -169,11 +170,17 @@ def cancel_pending_items(batch_id, code: str = Code.BATCH_CANCELLED) -> int:
 
 _CLAIM_SQL = """
 UPDATE batches_item SET state = 'running', attempt = attempt + 1, lease_owner = %s,
-       lease_expires_at = %s, started_at = %s
+       lease_expires_at = %s, started_at = %s, not_before = NULL
 WHERE id = (SELECT id FROM batches_item WHERE batch_id = %s AND state = 'available'
+            AND (not_before IS NULL OR not_before <= %s)
             ORDER BY idx LIMIT 1 FOR UPDATE SKIP LOCKED)
 RETURNING *
 """
+
+
+def due(now) -> Q:
+    """Rows (items or batches) whose `not_before` has passed: a claim may take them."""
+    return Q(not_before__isnull=True) | Q(not_before__lte=now)
 
 
 def claim_in_batch(batch_id, owner: str) -> Item | None:
@@ -186,12 +193,17 @@ def claim_in_batch(batch_id, owner: str) -> Item | None:
     now = timezone.now()
     lease = now + timezone.timedelta(seconds=settings.RELAY_BATCH_LEASE_SECONDS)
     if connection.vendor == "postgresql":
-        return next(iter(Item.objects.raw(_CLAIM_SQL, [owner, lease, now, batch_id])), None)
-    item = Item.objects.filter(batch_id=batch_id, state=St.AVAILABLE).order_by("idx").first()
+        return next(iter(Item.objects.raw(_CLAIM_SQL, [owner, lease, now, batch_id, now])), None)
+    item = Item.objects.filter(due(now), batch_id=batch_id, state=St.AVAILABLE).order_by("idx").first()
     if item is None:
         return None
     updated = Item.objects.filter(pk=item.pk, state=St.AVAILABLE).update(
-        state=St.RUNNING, attempt=item.attempt + 1, lease_owner=owner, lease_expires_at=lease, started_at=now
+        state=St.RUNNING,
+        attempt=item.attempt + 1,
+        lease_owner=owner,
+        lease_expires_at=lease,
+        started_at=now,
+        not_before=None,
     )
     if not updated:
         return None
@@ -213,35 +225,105 @@ def _fenced(item: Item):
 def finish_item(item: Item, state: str, record: Callable[[], None], **fields) -> bool:
     """running → `state` (final), fenced on the claim, with the usage event(s) in the same transaction.
 
-    `record` writes the usage events; it runs only when the fenced write won.
-    False: the lease was lost (the sweeper gave the item to someone else) and
-    nothing was written. The batch's completion is checked once this commits.
+    `record` writes the usage events and the attempt; it runs only when the
+    fenced write won. False: the lease was lost (the sweeper gave the item to
+    someone else) and nothing was written. The batch's completion is checked
+    once this commits. Retried through a database outage (see `durably`).
     """
     if state not in ITEM_TRANSITIONS[St.RUNNING] or state == St.AVAILABLE:
         raise IllegalTransition(f"item: running → {state!r} is not a finish")
-    with transaction.atomic():
-        if not _fenced(item).update(state=state, finished_at=timezone.now(), lease_expires_at=None, **fields):
-            return False
-        record()
-        batch_id = item.batch_id
-        transaction.on_commit(lambda: complete_if_done(batch_id))
-    return True
 
-
-def rescue_expired_leases(now) -> int:
-    """running → available for items whose lease ran out with attempts left (their worker died)."""
-    return Item.objects.filter(state=St.RUNNING, lease_expires_at__lt=now, attempt__lt=F("max_attempts")).update(
-        state=St.AVAILABLE, lease_owner="", lease_expires_at=None
-    )
-
-
-def discard_lost_items(now, record: Callable[[object, object], None]) -> int:
-    """running → discarded (worker_lost) for expired leases on their last attempt, each with its usage event."""
-    lost = list(Item.objects.filter(state=St.RUNNING, lease_expires_at__lt=now).values_list("id", "batch_id")[:1000])
-    n = 0
-    for item_id, batch_id in lost:
+    def write() -> bool:
         with transaction.atomic():
-            done = Item.objects.filter(pk=item_id, state=St.RUNNING, lease_expires_at__lt=now).update(
+            if not _fenced(item).update(state=state, finished_at=timezone.now(), lease_expires_at=None, **fields):
+                return False
+            record()
+            batch_id = item.batch_id
+            transaction.on_commit(lambda: complete_if_done(batch_id))
+        return True
+
+    return durably(write)
+
+
+def release_item(item: Item, not_before, record: Callable[[], None], *, counts: bool, pause_batch: bool) -> bool:
+    """running → available until `not_before`, fenced on the claim: a retry (`counts`: it uses up an
+    attempt) or a wait for capacity (`pause_batch`: the whole batch waits, it shares the capacity).
+
+    `record` writes the attempt in the same transaction. A wake-up is scheduled for when the item is due.
+    """
+
+    def write() -> bool:
+        with transaction.atomic():
+            fields = {"state": St.AVAILABLE, "lease_owner": "", "lease_expires_at": None, "not_before": not_before}
+            if counts:
+                fields["retries"] = F("retries") + 1
+            if not _fenced(item).update(**fields):
+                return False
+            record()
+            if pause_batch:
+                Batch.objects.filter(
+                    Q(not_before__isnull=True) | Q(not_before__lt=not_before), pk=item.batch_id
+                ).update(not_before=not_before)
+        return True
+
+    released = durably(write)
+    if released:
+        wake_at(not_before)
+    return released
+
+
+# Rows the sweeper changes are taken with SKIP LOCKED: a row held by a frozen process (a paused VM
+# inside a finishing transaction) is passed over, never waited on.
+_RESCUE_SQL = """
+UPDATE batches_item SET state = 'available', lease_owner = '', lease_expires_at = NULL, retries = retries + 1
+WHERE id IN (SELECT id FROM batches_item WHERE state = 'running' AND lease_expires_at < %s
+             AND retries + 1 < max_attempts LIMIT 1000 FOR UPDATE SKIP LOCKED)
+RETURNING id, batch_id, attempt, started_at
+"""
+_LOST_SQL = """
+SELECT id, batch_id, attempt, started_at FROM batches_item
+WHERE state = 'running' AND lease_expires_at < %s LIMIT 1000 FOR UPDATE SKIP LOCKED
+"""
+
+
+def rescue_expired_leases(now, record: Callable[[list], None]) -> int:
+    """running → available for items whose lease ran out with attempts left (their worker died or froze);
+    `record` writes their attempts (rows of id, batch_id, attempt, started_at) in the same transaction."""
+    if connection.vendor != "postgresql":
+        rows = list(
+            Item.objects.filter(state=St.RUNNING, lease_expires_at__lt=now, retries__lt=F("max_attempts") - 1)
+            .values_list("id", "batch_id", "attempt", "started_at")
+            .order_by()[:1000]
+        )
+        with transaction.atomic():
+            Item.objects.filter(pk__in=[r[0] for r in rows], state=St.RUNNING, lease_expires_at__lt=now).update(
+                state=St.AVAILABLE, lease_owner="", lease_expires_at=None, retries=F("retries") + 1
+            )
+            record(rows)
+        return len(rows)
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute(_RESCUE_SQL, [now])
+        rows = cursor.fetchall()
+        record(rows)
+    return len(rows)
+
+
+def discard_lost_items(now, record: Callable[[object, object, int, object], None]) -> int:
+    """running → discarded (worker_lost) for expired leases on their last attempt, each with its usage event
+    and attempt (`record(item_id, batch_id, attempt, started_at)`), skipping rows another process holds."""
+    with transaction.atomic():
+        if connection.vendor == "postgresql":
+            with connection.cursor() as cursor:
+                cursor.execute(_LOST_SQL, [now])
+                lost = cursor.fetchall()
+        else:
+            lost = list(
+                Item.objects.filter(state=St.RUNNING, lease_expires_at__lt=now)
+                .values_list("id", "batch_id", "attempt", "started_at")
+                .order_by()[:1000]
+            )
+        for item_id, batch_id, attempt, started_at in lost:
+            Item.objects.filter(pk=item_id).update(
                 state=St.DISCARDED,
                 finished_at=now,
                 lease_owner="",
@@ -249,11 +331,38 @@ def discard_lost_items(now, record: Callable[[object, object], None]) -> int:
                 error="batch: worker lost the item on every attempt",
                 error_code=Code.WORKER_LOST,
             )
-            if done:
-                record(item_id, batch_id)
-                transaction.on_commit(lambda b=batch_id: complete_if_done(b))
-                n += 1
-    return n
+            record(item_id, batch_id, attempt, started_at)
+        for batch_id in {row[1] for row in lost}:
+            transaction.on_commit(lambda b=batch_id: complete_if_done(b))
+    return len(lost)
+
+
+# --- riding out a database restart ---------------------------------------------------------------
+
+DURABLE_SECONDS = 60.0
+
+
+def durably(write: Callable[[], bool], seconds: float = DURABLE_SECONDS) -> bool:
+    """Run a fenced write, retrying it while the database is unreachable (a restart, a failover).
+
+    The worker already holds the attempt's result; giving up would leave the
+    item running until its lease runs out. The write is fenced on the claim,
+    so a retry after a commit whose answer was lost matches nothing (False)
+    and nothing is written twice.
+    """
+    from django.db import InterfaceError, OperationalError
+
+    deadline, pause = time.monotonic() + seconds, 0.2
+    while True:
+        try:
+            return write()
+        except (OperationalError, InterfaceError):
+            if time.monotonic() + pause > deadline:
+                raise
+            log.warning("database unavailable; retrying a batch write in %.1fs", pause, exc_info=True)
+            connection.close()  # the next query opens a fresh connection
+            time.sleep(pause)
+            pause = min(pause * 2, 2.0)
 
 
 # --- batch completion ---------------------------------------------------------------------------
@@ -410,7 +519,7 @@ def wake_workers() -> int:
     """
     from relay.celery import app
 
-    if not Item.objects.filter(state=St.AVAILABLE).exists():
+    if not Item.objects.filter(due(timezone.now()), state=St.AVAILABLE).exists():
         return 0
     queued = queue_length(ITEM_QUEUE)
     if queued is None:
@@ -419,3 +528,27 @@ def wake_workers() -> int:
     for _ in range(missing):
         app.send_task("batches.tasks.run_items", queue=ITEM_QUEUE)
     return missing
+
+
+def wake_at(when) -> None:
+    """Wake the workers when `when` comes (an item's backoff or a batch's wait ends), not at the next sweep.
+
+    One delayed message per 100 ms slot however many items become due in it
+    (deduplicated in Redis); the sweeper covers a lost one.
+    """
+    import redis
+
+    from relay.celery import app
+    from relay.redis import get_redis
+
+    delay = max(0.0, (when - timezone.now()).total_seconds())
+    slot = int(when.timestamp() * 10)
+    try:
+        if not get_redis().set(f"relay:wake_at:{slot}", 1, nx=True, ex=int(delay) + 60):
+            return
+    except redis.RedisError:
+        return
+    try:
+        app.send_task("batches.tasks.wake", countdown=delay, queue=CONTROL_QUEUE)
+    except Exception:  # the broker is down: the sweeper wakes them
+        log.warning("could not schedule a wake-up", exc_info=True)

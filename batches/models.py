@@ -157,6 +157,16 @@ class Batch(models.Model):
     idempotency_key = models.CharField(max_length=255, blank=True, default="")
     request_sha256 = models.CharField(max_length=64, blank=True, default="")
 
+    # --- Waiting and retrying (batches/retrying.py), fixed at submit ---
+    # Attempts an item may use: transient failures and worker losses count, waits for capacity don't.
+    max_attempts = models.PositiveSmallIntegerField(default=3)
+    # Retry transient failures (5xx, 408, 409, network) with backoff. Native default: off (spec 000).
+    retry_transient = models.BooleanField(default=False)
+    # Wait for capacity (rate limits, open breakers, upstream 429) instead of failing. Native default: off.
+    wait_for_capacity = models.BooleanField(default=False)
+    # Claims skip the whole batch until then: its policy or keys have no capacity before it.
+    not_before = models.DateTimeField(null=True, blank=True)
+
     class Meta:
         verbose_name_plural = "batches"
         indexes = [
@@ -199,6 +209,7 @@ class Batch(models.Model):
                 for status, stamp in OPENAI_STATUS_STAMP.items()
             ],
             models.CheckConstraint(condition=Q(discount_percent__lte=100), name="batch_discount_percent_range"),
+            models.CheckConstraint(condition=Q(max_attempts__gte=1), name="batch_max_attempts_positive"),
             # Idempotent create: one batch per (owner, key).
             models.UniqueConstraint(
                 fields=["owner_hash", "idempotency_key"],
@@ -236,8 +247,13 @@ class Item(models.Model):
     batch = models.ForeignKey(Batch, on_delete=models.CASCADE, related_name="items")
     idx = models.PositiveIntegerField()
     state = models.CharField(max_length=16, choices=ItemState.choices, default=ItemState.AVAILABLE)
-    attempt = models.PositiveSmallIntegerField(default=0)
+    # Claims so far: the fence token of the current claim (it never goes down).
+    attempt = models.PositiveIntegerField(default=0)
+    # Attempts used up: transient failures retried and worker losses; waits for capacity don't count.
+    retries = models.PositiveSmallIntegerField(default=0)
     max_attempts = models.PositiveSmallIntegerField(default=3)
+    # An available item is not claimed before this (backoff after a transient failure, or a wait for capacity).
+    not_before = models.DateTimeField(null=True, blank=True)
     lease_owner = models.CharField(max_length=100, blank=True, default="")
     lease_expires_at = models.DateTimeField(null=True, blank=True)
     started_at = models.DateTimeField(null=True, blank=True)
@@ -284,6 +300,41 @@ class Item(models.Model):
 
     def __str__(self):
         return f"{self.batch_id}#{self.idx}"
+
+
+class Attempt(models.Model):
+    """One try of an item that reached the pipeline: when, how it ended, which host key, what the upstream said.
+
+    Written in the same transaction that finishes or releases the item, so the
+    history and the item's state never disagree. Local waits for capacity that
+    never called a provider (the policy's own limit, every key benched) are not
+    attempts; an upstream 429 is.
+    """
+
+    item = models.ForeignKey(Item, on_delete=models.CASCADE, related_name="attempts")
+    number = models.PositiveIntegerField()  # the claim (Item.attempt) it ran under
+    started_at = models.DateTimeField()
+    finished_at = models.DateTimeField()
+    duration_ms = models.PositiveIntegerField(default=0)
+    # "completed", or the code of why it did not (batches.outcomes.Code).
+    outcome = models.CharField(max_length=64)
+    # What became of the item: finished, or retry / wait (back to available).
+    decision = models.CharField(max_length=16)
+    status_code = models.PositiveSmallIntegerField(null=True, blank=True)  # the upstream's, when it answered
+    host_key_id = models.BigIntegerField(null=True, blank=True)
+    error = models.CharField(max_length=1000, blank=True, default="")
+    error_body = models.TextField(blank=True, default="")  # bounded like Item.error_body
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["item", "number"], name="uniq_attempt_per_claim"),
+            models.CheckConstraint(
+                condition=Q(decision__in=["finish", "retry", "wait"]), name="attempt_decision_valid"
+            ),
+        ]
+
+    def __str__(self):
+        return f"{self.item_id} attempt {self.number}: {self.outcome}"
 
 
 class FilePurpose(models.TextChoices):

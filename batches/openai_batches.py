@@ -97,6 +97,10 @@ def create(principal: Principal, submission: ingest.Submission, *, idempotency_k
                 model=params["model"] or "",
                 input_file_id=(input_file or inline).id,
                 discount_percent=settings.RELAY_BATCH_DISCOUNT_PERCENT,
+                # OpenAI's users expect a batch to wait out a busy provider and retry what is transient.
+                max_attempts=settings.RELAY_BATCH_MAX_ATTEMPTS,
+                retry_transient=True,
+                wait_for_capacity=True,
                 idempotency_key=idempotency_key,
                 request_sha256=submission.sha256 if idempotency_key else "",
                 **Batch.attribution(principal),

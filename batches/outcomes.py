@@ -40,8 +40,6 @@ class Code(models.TextChoices):
     INVALID_ITEM = "invalid_item"
     STREAMING_UNSUPPORTED = "streaming_unsupported"
     WORKER_LOST = "worker_lost"
-    # Retries (issue 10): every attempt failed transiently.
-    ATTEMPTS_EXHAUSTED = "attempts_exhausted"
     # The batch ended the item.
     BATCH_CANCELLED = "batch_cancelled"
     BATCH_EXPIRED = "batch_expired"

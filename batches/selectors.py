@@ -10,7 +10,7 @@ from django.db.models.functions import Cast, Coalesce
 
 from batches import storage
 from batches.errors import invalid, not_found
-from batches.models import Batch, File, FilePurpose, Item, ItemState, Surface
+from batches.models import Attempt, Batch, File, FilePurpose, Item, ItemState, Surface
 from relay.auth import Principal
 from relay.errors import RelayError
 from usage.models import UsageEvent
@@ -56,6 +56,12 @@ def iter_status_json(batch: Batch) -> Iterator[bytes]:
         "CredentialKind": batch.credential_kind,
         "CredentialID": batch.credential_id,
         "counts": counts(batch),
+        # The batch's opt-in to waiting and retrying, as submitted; null keeps spec 000's fail-at-once.
+        "retry": (
+            {"max_attempts": batch.max_attempts, "wait_for_capacity": batch.wait_for_capacity}
+            if batch.retry_transient or batch.wait_for_capacity
+            else None
+        ),
     }
     yield json.dumps(head)[:-1].encode() + b', "items": ['
     rows = Item.objects.filter(batch=batch).order_by("idx").values_list("idx", "state").iterator(chunk_size=5000)
@@ -74,13 +80,15 @@ def iter_results_json(batch: Batch) -> Iterator[bytes]:
     """`{"results": [...]}` in item order, one item at a time: constant memory for any size."""
     yield b'{"results":['
     first = True
+    attempts = Attempt.objects.filter(item_id=OuterRef("pk")).order_by().values("item_id")
     rows = (
         Item.objects.filter(batch=batch)
         .order_by("idx")
-        .values_list("idx", "state", "result_ref", "error", "error_body", "status_code")
+        .annotate(n_attempts=Subquery(attempts.annotate(c=Count("*")).values("c"), output_field=IntegerField()))
+        .values_list("idx", "state", "result_ref", "error", "error_body", "status_code", "n_attempts")
         .iterator(chunk_size=1000)
     )
-    for idx, state, result_ref, error, error_body, status_code in rows:
+    for idx, state, result_ref, error, error_body, status_code, n_attempts in rows:
         parts = [b'{"idx":', str(idx).encode(), b',"state":', json.dumps(state).encode()]
         if state == ItemState.COMPLETED and result_ref:
             try:
@@ -95,6 +103,9 @@ def iter_results_json(batch: Batch) -> Iterator[bytes]:
                 parts += [b',"status_code":', str(status_code).encode()]
             if error_body:
                 parts += [b',"error_body":', _error_body_json(error_body)]
+        if n_attempts:
+            # Tries that reached a provider (retries and 429 waits included); each is in the attempt history.
+            parts += [b',"attempts":', str(n_attempts).encode()]
         parts.append(b"}")
         yield (b"" if first else b",") + b"".join(parts)
         first = False

@@ -18,12 +18,12 @@ from dataclasses import dataclass
 
 import uuid6
 from django.conf import settings
-from django.db import connection, transaction
+from django.db import InterfaceError, OperationalError, connection, transaction
 from django.db.models import Count
 from django.utils import timezone
 
-from batches import bulk, ingest, lifecycle, openai_batches, outcomes, storage
-from batches.models import Batch, BatchStatus, Item, ItemState, Shape, Surface
+from batches import bulk, ingest, lifecycle, openai_batches, outcomes, retrying, storage
+from batches.models import Attempt, Batch, BatchStatus, Item, ItemState, Shape, Surface
 from batches.outcomes import Code
 from batches.tools import config as tools_config
 from batches.tools.loop import run_tool_loop
@@ -34,6 +34,8 @@ from usage.pricing import with_batch_price
 from usage.services import record_event
 
 log = logging.getLogger(__name__)
+
+DATABASE_ERRORS = (OperationalError, InterfaceError)
 
 SHAPE_PATH = {
     Shape.OPENAI: "/v1/chat/completions",
@@ -74,6 +76,7 @@ def store_native(principal: auth.Principal, submission: ingest.Submission) -> Ba
             "too_many_items",
             f"batch: too many items: {seen} items, at most {max_items} per batch (RELAY_BATCH_MAX_ITEMS)",
         )
+    retry = _retry_options(top.get("retry"))
     batch_id = uuid6.uuid7()
     writer = storage.input_writer(str(batch_id))
     try:
@@ -81,7 +84,16 @@ def store_native(principal: auth.Principal, submission: ingest.Submission) -> Ba
             pending: list[dict] = []
             for idx, data in enumerate(submission.elements()):
                 ref = writer.add(idx, data)
-                pending.append(dict(id=uuid6.uuid7(), batch_id=batch_id, idx=idx, state="available", input_ref=ref))
+                pending.append(
+                    dict(
+                        id=uuid6.uuid7(),
+                        batch_id=batch_id,
+                        idx=idx,
+                        state="available",
+                        input_ref=ref,
+                        max_attempts=retry["max_attempts"],
+                    )
+                )
                 if len(pending) >= 5000:
                     bulk.insert_items(pending)  # COPY on PostgreSQL
                     pending.clear()
@@ -91,6 +103,7 @@ def store_native(principal: auth.Principal, submission: ingest.Submission) -> Ba
                 id=batch_id,
                 inbound_shape=shape,
                 total_items=seen,
+                **retry,
                 **Batch.attribution(principal),
             )
             transaction.on_commit(lifecycle.wake_workers)
@@ -98,6 +111,39 @@ def store_native(principal: auth.Principal, submission: ingest.Submission) -> Ba
         writer.discard()
         raise
     return batch
+
+
+RETRY_KEYS = {"max_attempts", "wait_for_capacity"}
+RETRY_MAX_ATTEMPTS = 100
+
+
+def _retry_options(value) -> dict:
+    """The native batch's opt-in to waiting and retrying (`"retry": {"max_attempts", "wait_for_capacity"}`).
+
+    Without it a native batch keeps spec 000's behaviour: an item fails at once
+    (no wait for capacity, no retry of a transient failure); only a worker lost
+    mid-item is rescued, up to 3 attempts, as before.
+    """
+    if value is None:
+        return {"max_attempts": 3, "retry_transient": False, "wait_for_capacity": False}
+    if not isinstance(value, dict):
+        raise RelayError(
+            400, "invalid_request", 'retry must be an object: {"max_attempts": 5, "wait_for_capacity": true}'
+        )
+    unknown = sorted(set(value) - RETRY_KEYS)
+    if unknown:
+        raise RelayError(
+            400, "invalid_request", f"retry: unknown field {unknown[0]!r}; use max_attempts, wait_for_capacity"
+        )
+    attempts = value.get("max_attempts", settings.RELAY_BATCH_MAX_ATTEMPTS)
+    if isinstance(attempts, bool) or not isinstance(attempts, int) or not 1 <= attempts <= RETRY_MAX_ATTEMPTS:
+        raise RelayError(
+            400, "invalid_request", f"retry.max_attempts must be an integer from 1 to {RETRY_MAX_ATTEMPTS}"
+        )
+    wait = value.get("wait_for_capacity", True)
+    if not isinstance(wait, bool):
+        raise RelayError(400, "invalid_request", "retry.wait_for_capacity must be true or false")
+    return {"max_attempts": attempts, "retry_transient": attempts > 1, "wait_for_capacity": wait}
 
 
 # --- claim -------------------------------------------------------------------------
@@ -112,7 +158,12 @@ def claim(owner: str) -> Item | None:
     running = dict(
         Item.objects.filter(state=ItemState.RUNNING).values_list("batch_id").annotate(n=Count("id")).order_by()
     )
-    active = list(Batch.objects.filter(status__in=lifecycle.CLAIMABLE).values_list("id", "created_at", "status"))
+    now = timezone.now()
+    active = list(
+        Batch.objects.filter(lifecycle.due(now), status__in=lifecycle.CLAIMABLE).values_list(
+            "id", "created_at", "status"
+        )
+    )
     active.sort(key=lambda b: (running.get(b[0], 0), b[1]))
     for batch_id, _, status in active[:20]:
         item = lifecycle.claim_in_batch(batch_id, owner)
@@ -224,13 +275,15 @@ def _batch(batch_id) -> Batch:
 
 
 def run_item(item: Item) -> None:
-    """Run one claimed item to a final state. Never raises for item-level failures."""
-    started = time.monotonic()
+    """Run one claimed item: to a final state, or back to `available` to wait or retry (batches/retrying.py).
+    Never raises for item-level failures."""
+    started_at, started = timezone.now(), time.monotonic()
     batch = _batch(item.batch_id)
     principal = auth.Principal.from_dict(batch.principal)
     deadline = started + settings.RELAY_BATCH_ITEM_DEADLINE_SECONDS
     with Heartbeat(item) as hb:
         run = _execute(batch, item, principal, deadline, hb)
+    run.started_at = started_at
     outcome = run.outcome
     if hb.stop_reason == "lease_lost":
         log.warning("item %s lost its lease; dropping this attempt's result", item.pk)
@@ -239,19 +292,37 @@ def run_item(item: Item) -> None:
         _finish(item, ItemState.CANCELLED, code=Code.BATCH_CANCELLED, error=lifecycle.CANCELLED_ERROR, run=run)
         return
     if run.failure is not None:
-        _finish(item, ItemState.DISCARDED, code=run.code, error=run.failure, run=run)
-        return
-    if outcome.ok:
+        code, error, error_body = run.code, run.failure, ""
+    elif outcome.ok:
         ref = storage.write_result(str(batch.id), str(item.pk), outcome.body)
         _finish(item, ItemState.COMPLETED, run=run, result_ref=ref)
         return
-    if outcome.origin == "upstream":
+    elif outcome.origin == "upstream":
+        code, error = Code.UPSTREAM_ERROR, f"batch item: upstream status {outcome.status}"
         error_body = outcome.body[: pipeline.ERROR_BODY_LIMIT].decode("utf-8", errors="replace")
-        message = f"batch item: upstream status {outcome.status}"
-        _finish(item, ItemState.DISCARDED, code=Code.UPSTREAM_ERROR, error=message, run=run, error_body=error_body)
+    else:
+        code = outcomes.normalize(outcome.error_kind)
+        error = f"batch item: {outcome.error.message}" if outcome.error else "batch item: failed"
+        error_body = ""
+    status = outcome.status if outcome is not None and outcome.origin == "upstream" else None
+    decision = retrying.decide(batch, item, code, status, outcome.retry_after if outcome is not None else None)
+    if decision.action == retrying.FINISH:
+        _finish(item, ItemState.DISCARDED, code=code, error=error, run=run, error_body=error_body)
         return
-    message = f"batch item: {outcome.error.message}" if outcome.error else "batch item: failed"
-    _finish(item, ItemState.DISCARDED, code=outcomes.normalize(outcome.error_kind), error=message, run=run)
+    not_before = timezone.now() + timezone.timedelta(seconds=decision.delay)
+    # A wait decided before any provider was called (the policy's own limit, every key benched) is no attempt.
+    attempt = _attempt(item, run, decision.action, code=code, error=error, error_body=error_body)
+    lifecycle.release_item(
+        item,
+        not_before,
+        attempt.save if attempt is not None else _nothing,
+        counts=decision.action == retrying.RETRY,
+        pause_batch=decision.action == retrying.WAIT,
+    )
+
+
+def _nothing() -> None:
+    pass
 
 
 @dataclass
@@ -267,6 +338,7 @@ class _Run:
     failure: str | None = None
     code: str = ""
     events: list[dict] | None = None
+    started_at: object = None  # when the attempt began (set by run_item)
 
 
 def _execute(batch: Batch, item: Item, principal, deadline: float, hb: Heartbeat) -> _Run:
@@ -349,7 +421,12 @@ def _finish(item: Item, state: str, *, run: _Run, code: str = "", error: str = "
     outcome = run.outcome
     batch = _batch(item.batch_id)
 
+    attempt = _attempt(
+        item, run, "finish", code=code, error=error, error_body=fields.get("error_body", ""), always=True
+    )
+
     def record() -> None:
+        attempt.save()
         events = run.events if run.events is not None else ([outcome.event] if outcome is not None else [])
         if not events:
             record_event(**_event_without_dispatch(batch, item.pk, code, error), fetch=False)
@@ -369,6 +446,32 @@ def _finish(item: Item, state: str, *, run: _Run, code: str = "", error: str = "
         error=error[:1000],
         error_code=code,
         **fields,
+    )
+
+
+def _attempt(item: Item, run: _Run, decision: str, *, code: str, error: str, error_body: str = "", always=False):
+    """The Attempt row of this claim; None for one that never reached a provider, unless `always`."""
+    event = run.outcome.event if run.outcome is not None else None
+    if event is None and run.events:
+        event = run.events[-1]
+    reached = event is not None and (event.get("host_key_id") is not None or event.get("status"))
+    if not reached and not always:
+        return None
+    now = timezone.now()
+    started = run.started_at or now
+    status = run.outcome.status if run.outcome is not None and run.outcome.origin == "upstream" else None
+    return Attempt(
+        item_id=item.pk,
+        number=item.attempt,
+        started_at=started,
+        finished_at=now,
+        duration_ms=max(0, int((now - started).total_seconds() * 1000)),
+        outcome=code or "completed",
+        decision=decision,
+        status_code=status,
+        host_key_id=event.get("host_key_id") if event else None,
+        error=error[:1000],
+        error_body=error_body,
     )
 
 
@@ -405,7 +508,7 @@ def sweep() -> dict:
     """Rescue expired leases, finish what nothing else will, expire OpenAI batches past their window,
     re-send lost control messages, then top up wake-ups. Idempotent; any replica may run it."""
     now = timezone.now()
-    rescued = lifecycle.rescue_expired_leases(now)
+    rescued = lifecycle.rescue_expired_leases(now, _record_rescued)
     discarded = lifecycle.discard_lost_items(now, _record_lost)
     lifecycle.cancel_orphans()  # cancelled batches whose running items died
     expired = openai_batches.expire_due(now)
@@ -422,9 +525,37 @@ def sweep() -> dict:
     return {"rescued": rescued, "discarded": discarded, "expired": expired, "woken": woken}
 
 
-def _record_lost(item_id, batch_id) -> None:
+_LOST = "batch: the worker running this attempt was lost (its lease ran out)"
+
+
+def _lost_attempt(item_id, attempt: int, started_at, now, decision: str) -> Attempt:
+    started = started_at or now
+    return Attempt(
+        item_id=item_id,
+        number=attempt,
+        started_at=started,
+        finished_at=now,
+        duration_ms=max(0, int((now - started).total_seconds() * 1000)),
+        outcome=Code.WORKER_LOST,
+        decision=decision,
+        error=_LOST,
+    )
+
+
+def _record_rescued(rows: list) -> None:
+    now = timezone.now()
+    Attempt.objects.bulk_create(
+        [_lost_attempt(item_id, attempt, started_at, now, retrying.RETRY) for item_id, _, attempt, started_at in rows],
+        ignore_conflicts=True,  # the zombie may still write its own after rescue: first one wins
+    )
+
+
+def _record_lost(item_id, batch_id, attempt: int, started_at) -> None:
     error = "batch: worker lost the item on every attempt"
     record_event(**_event_without_dispatch(_batch(batch_id), item_id, Code.WORKER_LOST, error), fetch=False)
+    Attempt.objects.bulk_create(
+        [_lost_attempt(item_id, attempt, started_at, timezone.now(), retrying.FINISH)], ignore_conflicts=True
+    )
 
 
 # --- the worker loop ------------------------------------------------------------------
@@ -440,10 +571,23 @@ def drain(max_items: int = 50, max_seconds: float = 120.0) -> int:
     owner = f"{worker_id()}:{uuid.uuid4().hex[:8]}"
     started, done = time.monotonic(), 0
     while done < max_items and time.monotonic() - started < max_seconds:
-        item = claim(owner)
+        try:
+            item = claim(owner)
+        except DATABASE_ERRORS:
+            # The database went away (a restart): give the slot back; the next sweep or wake-up resumes.
+            log.warning("claim failed: the database is unavailable", exc_info=True)
+            connection.close()
+            return done
         if item is None:
             return done
-        run_item(item)
+        try:
+            run_item(item)
+        except DATABASE_ERRORS:
+            # Mid-item (not while finishing: that retries by itself). Hand the item back rather than
+            # leave it running until its lease runs out; this claim never called out or was not recorded.
+            log.warning("item %s: the database went away mid-item; releasing it", item.pk, exc_info=True)
+            connection.close()
+            lifecycle.release_item(item, timezone.now(), _nothing, counts=False, pause_batch=False)
         done += 1
     lifecycle.wake_workers()
     return done

@@ -2,7 +2,7 @@
 
 from celery import shared_task
 
-from batches import finalize, services, validation
+from batches import finalize, lifecycle, services, validation
 
 
 @shared_task(name="batches.tasks.run_items", ignore_result=True, acks_late=True)
@@ -13,6 +13,12 @@ def run_items() -> int:
 @shared_task(name="batches.tasks.sweep", ignore_result=True)
 def sweep() -> dict:
     return services.sweep()
+
+
+# A delayed wake-up (batches.lifecycle.wake_at): an item's backoff or a batch's wait for capacity ended.
+@shared_task(name="batches.tasks.wake", ignore_result=True)
+def wake() -> int:
+    return lifecycle.wake_workers()
 
 
 # The OpenAI surface's two background steps. Both are idempotent (they act only

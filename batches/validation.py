@@ -145,6 +145,7 @@ def _ingest(batch: Batch, source: File, writer) -> _Ingest:
                 "state": ItemState.AVAILABLE,
                 "custom_id": record["custom_id"],
                 "input_ref": writer.add(idx, ingest.dumps(body)),
+                "max_attempts": batch.max_attempts,
             }
             failure = _record_failure(body, batch.endpoint)
             if failure is None:

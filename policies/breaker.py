@@ -199,3 +199,19 @@ def snapshot(key_hash: str) -> dict:
         "step": int(step),
         "reason": reason,
     }
+
+
+def retry_in(key_hash: str) -> float:
+    """Seconds until `try_acquire` may let a caller use the key: the rest of an open cooldown, or a
+    short pause while another caller holds the half-open probe. 0 when closed."""
+    snap = snapshot(key_hash)
+    if snap["state"] == "open" and snap["open_until"] is not None:
+        return max(0.0, snap["open_until"] - _server_seconds())
+    if snap["state"] == "half_open":
+        return 1.0  # the probe's answer is due within one request; look again then
+    return 0.0
+
+
+def _server_seconds() -> float:
+    seconds, micros = get_redis().time()
+    return seconds + micros / 1_000_000

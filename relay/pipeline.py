@@ -9,13 +9,14 @@ item (so it is written exactly once with the item's final state).
 """
 
 import json
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from django.utils import timezone
 
-from policies import breaker, keypool, ratelimit
+from policies import breaker, keypool, provider_limits, ratelimit
 from policies.breaker import Failure
 from relay import adapters, routing, upstream
 from relay.auth import Principal
@@ -54,6 +55,9 @@ class Outcome:
     error: RelayError | None
     error_kind: str
     event: dict  # fields for usage.services.record_event
+    # The call failed for want of capacity (the policy's limit, every key benched or spent, an
+    # upstream 429): seconds until there should be some, when known. Batch items wait this long.
+    retry_after: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -70,6 +74,7 @@ def dispatch(call: Call) -> Outcome:
         return _dispatch(call, ctx, started)
     except RelayError as err:
         kind = err.code or "relay_error"
+        ctx["retry_after"] = getattr(err, "retry_after", None)
         return _finish(
             call,
             ctx,
@@ -95,23 +100,35 @@ def _dispatch(call: Call, ctx: dict, started: float) -> Outcome:
     try:
         inbound = ratelimit.reserve(f"policy:{policy.id}", policy.rate_limit, subject=f"policy {policy.name}")
     except ratelimit.RateLimited as exc:
-        raise RelayError(429, "rate_limit_exceeded", exc.message, headers={"Retry-After": exc.retry_after}) from exc
+        err = RelayError(429, "rate_limit_exceeded", exc.message, headers={"Retry-After": exc.retry_after})
+        err.retry_after = float(exc.retry_after)
+        raise err from exc
 
     last_response: upstream.UpstreamResponse | None = None
     last_error: upstream.UpstreamError | None = None
     tried_any = False
+    waits: list[float] = []  # for each key passed over: seconds until it has capacity again
     try:
         for cand in keypool.order(policy.id, policy.key_selection, _candidates(route.keys)):
             if ctx["attempts"] >= MAX_KEY_ATTEMPTS:
                 break
             key, key_value = cand.key, cand.value
             if not breaker.try_acquire(cand.key_hash):
+                waits.append(breaker.retry_in(cand.key_hash))
                 continue
             try:
                 tier = ratelimit.reserve(f"hostkey:{key.id}", key.rate_limit, subject=f"host key {key.name}")
-            except ratelimit.RateLimited:
+            except ratelimit.RateLimited as exc:
                 breaker.release_probe(cand.key_hash)
+                waits.append(float(exc.retry_after))
                 continue  # the key's own upstream tier is spent: try the next key
+            quota_wait = provider_limits.take(cand.key_hash)
+            if quota_wait:
+                # The provider said this key's window is spent: don't spend a request learning it again.
+                tier.release()
+                breaker.release_probe(cand.key_hash)
+                waits.append(quota_wait)
+                continue
             keypool.mark_used(policy.id, cand.key_hash)
             tried_any = True
             ctx["attempts"] += 1
@@ -135,6 +152,7 @@ def _dispatch(call: Call, ctx: dict, started: float) -> Outcome:
                 )
                 continue
             last_response, last_error = resp, None
+            provider_limits.learn(cand.key_hash, resp.headers)
             if 200 <= resp.status < 300:
                 breaker.record_success(cand.key_hash)
                 tokens = parse_usage(route.adapter, path, _json_or_empty(resp.body))
@@ -164,6 +182,7 @@ def _dispatch(call: Call, ctx: dict, started: float) -> Outcome:
         inbound.release()  # no-op after a commit
 
     if last_response is not None:
+        ctx["retry_after"] = _capped(_retry_after(last_response)) if last_response.status == 429 else None
         return _finish(
             call,
             ctx,
@@ -184,7 +203,15 @@ def _dispatch(call: Call, ctx: dict, started: float) -> Outcome:
     if last_error is not None:
         raise _upstream_error_to_relay(last_error)
     if not tried_any:
-        raise RelayError(503, "no_keys", f"every host key of {route.host.name} is cooling down or rate limited")
+        wait = _capped(min(waits)) if waits else None
+        err = RelayError(
+            503,
+            "no_keys",
+            f"every host key of {route.host.name} is cooling down or rate limited",
+            headers={"Retry-After": max(1, math.ceil(wait))} if wait is not None else None,
+        )
+        err.retry_after = wait
+        raise err
     raise RelayError(502, "upstream_unavailable", "no upstream answer")
 
 
@@ -249,6 +276,16 @@ def _retry_after(resp: upstream.UpstreamResponse) -> float | None:
         return float(value) if value is not None else None
     except ValueError:
         return None
+
+
+MAX_RETRY_AFTER_S = 3600
+
+
+def _capped(seconds: float | None) -> float | None:
+    """A wait we act on: at least a moment, at most an hour, whatever a provider or a limiter said."""
+    if seconds is None or seconds != seconds:  # None or NaN
+        return None
+    return min(max(seconds, 0.05), MAX_RETRY_AFTER_S)
 
 
 def _passthrough_retry(resp: upstream.UpstreamResponse) -> dict:
@@ -327,5 +364,12 @@ def _finish(
         "cost_nano_usd": cost_nano_usd(route.binding.pricing, tokens) if route and error is None else None,
     }
     return Outcome(
-        status=status, body=body, headers=headers, origin=origin, error=error, error_kind=error_kind, event=event
+        status=status,
+        body=body,
+        headers=headers,
+        origin=origin,
+        error=error,
+        error_kind=error_kind,
+        event=event,
+        retry_after=ctx.get("retry_after"),
     )

@@ -93,6 +93,25 @@ TEMPLATES = [
 DATABASES = {"default": env.db("DATABASE_URL", default=f"sqlite:///{BASE_DIR / '.relay-embedded' / 'relay.sqlite3'}")}
 DATABASES["default"].setdefault("CONN_MAX_AGE", env.int("DB_CONN_MAX_AGE", default=60))
 DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
+if DATABASES["default"]["ENGINE"].endswith("postgresql"):
+    # One frozen process (a paused VM, a half-open connection) must not stall the others: no statement
+    # runs, no lock is waited for and no transaction idles past these, and a dead peer is noticed by
+    # TCP keepalives instead of hanging a worker for the kernel's default two hours.
+    _timeouts = {
+        "statement_timeout": env.int("RELAY_DB_STATEMENT_TIMEOUT_MS", default=60_000),
+        "lock_timeout": env.int("RELAY_DB_LOCK_TIMEOUT_MS", default=10_000),
+        "idle_in_transaction_session_timeout": env.int("RELAY_DB_IDLE_IN_TRANSACTION_TIMEOUT_MS", default=30_000),
+    }
+    DATABASES["default"].setdefault("OPTIONS", {}).update(
+        {
+            "options": " ".join(f"-c {name}={value}" for name, value in _timeouts.items()),
+            "keepalives": 1,
+            "keepalives_idle": 30,
+            "keepalives_interval": 10,
+            "keepalives_count": 3,
+            "connect_timeout": 10,
+        }
+    )
 if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
     # The web server, the worker and the sweeper all write to one file: wait for
     # the lock instead of failing with "database is locked".
@@ -176,6 +195,18 @@ RELAY_BATCH_WAKEUP_WINDOW = env.int("RELAY_BATCH_WAKEUP_WINDOW", default=16)
 
 # Item work on `batch` (the 8-slot item worker); everything else of batches — sweeping,
 # validation, finalization — on `control`, its own worker (relay/processes.py).
+# Waiting and retrying (batches/retrying.py). Attempts an item may use on surfaces that retry
+# (OpenAI-compatible; native batches that opt in set their own): transient failures count,
+# waits for capacity don't.
+RELAY_BATCH_MAX_ATTEMPTS = env.int("RELAY_BATCH_MAX_ATTEMPTS", default=5)
+if not 1 <= RELAY_BATCH_MAX_ATTEMPTS <= 100:
+    raise ImproperlyConfigured("RELAY_BATCH_MAX_ATTEMPTS must be between 1 and 100")
+# Backoff after a transient failure: full jitter over base × 2^(n-1), capped.
+RELAY_BATCH_RETRY_BASE_SECONDS = env.float("RELAY_BATCH_RETRY_BASE_SECONDS", default=1.0)
+RELAY_BATCH_RETRY_MAX_SECONDS = env.float("RELAY_BATCH_RETRY_MAX_SECONDS", default=60.0)
+# No item waits for capacity (or retries) once this long has passed since its batch was submitted.
+RELAY_BATCH_MAX_WAIT_SECONDS = env.int("RELAY_BATCH_MAX_WAIT_SECONDS", default=24 * 3600)
+
 CELERY_TASK_ROUTES = {
     "batches.tasks.run_items": {"queue": "batch"},
     "batches.tasks.*": {"queue": "control"},

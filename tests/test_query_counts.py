@@ -25,7 +25,7 @@ CHAT = "/v1/chat/completions"
 
 # Pinned statement counts (see the module docstring).
 LIVE_REQUEST = 5
-BATCH_ITEM_RUN = 14
+BATCH_ITEM_RUN = 15  # 14 before the attempt history (one INSERT per attempt)
 OPENAI_LIST_PAGE = 3
 OPENAI_RETRIEVE = 3
 NATIVE_STATUS = 4
