@@ -216,7 +216,8 @@ class BatchAdmin(ViewOnlyAdmin):
 
     @admin.display(description="all items")
     def items_link(self, obj):
-        return format_html('<a href="../../item/?batch__id__exact={}">browse all {} items</a>', obj.pk, obj.total_items)
+        url = reverse("admin:batches_item_changelist")
+        return format_html('<a href="{}?batch__id__exact={}">browse all {} items</a>', url, obj.pk, obj.total_items)
 
     @admin.action(description="Cancel the selected batches")
     def cancel_batches(self, request, queryset):
@@ -293,8 +294,7 @@ class FileAdmin(ViewOnlyAdmin):
     )
     readonly_fields = fields
 
-    # Owners delete through DELETE /v1/files/{id}, which also removes the stored bytes.
-    deletable = False
+    # Deleting here removes the stored bytes too (batches/retention.py), as DELETE /v1/files/{id} does.
 
     def get_search_results(self, request, queryset, search_term):
         found = _search_public_id(queryset, search_term, "file-")

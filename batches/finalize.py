@@ -22,7 +22,7 @@ import uuid6
 from django.db import connection, transaction
 from django.utils import timezone
 
-from batches import storage
+from batches import retention, storage
 from batches.models import PENDING_STATES, Batch, BatchStatus, File, FilePurpose, Item, ItemState, Surface
 from usage.models import UsageEvent
 
@@ -85,7 +85,10 @@ class _ResultFile:
             return None
         ref = self.writer.close()
         b = self.batch
+        now = timezone.now()
         File.objects.create(
+            created_at=now,
+            expires_at=retention.output_expires_at(b, now),
             id=self.id,
             purpose=FilePurpose.BATCH_OUTPUT,
             filename=f"{b.public_id}_{self.kind}.jsonl",
