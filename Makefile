@@ -1,5 +1,5 @@
 # The two commands of the README. Each does its own set-up.
-.PHONY: run test lint bench
+.PHONY: run test lint bench manage flower
 
 run:
 	@bash scripts/run.sh
@@ -12,3 +12,11 @@ lint:
 
 bench:
 	@bash scripts/bench.sh
+
+# Any manage.py command against the embedded relay: make manage ARGS="relay key create …"
+manage:
+	@bash scripts/embedded.sh manage.py $(ARGS)
+
+# Flower for the embedded relay, on 127.0.0.1:5555 only.
+flower:
+	@bash scripts/embedded.sh celery -A relay flower --address=127.0.0.1 --port=5555

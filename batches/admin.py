@@ -11,7 +11,7 @@ import json
 from django.contrib import admin
 from django.db.models import Count, Q
 from django.urls import reverse
-from django.utils.html import format_html
+from django.utils.html import format_html, format_html_join
 
 from batches import selectors, services, storage
 from batches.models import Attempt, Batch, File, Item, ItemState, Surface
@@ -43,6 +43,33 @@ def _pretty(value) -> str:
         return "—"
     return format_html(
         "<pre style='white-space:pre-wrap;max-width:80em'>{}</pre>", json.dumps(value, indent=2, ensure_ascii=False)
+    )
+
+
+# completed, discarded, cancelled, running, available
+_BAR_COLOURS = ("#2e7d32", "#c62828", "#9e9e9e", "#1565c0", "#e0e0e0")
+
+
+def progress_bar(counts, label: str) -> str:
+    """A bar of the items' states (widths in whole percent) above the counts, for the changelist."""
+    total = sum(counts) or 1
+    segments = format_html_join(
+        "",
+        '<span title="{}" style="display:inline-block;height:100%;width:{}%;background:{}"></span>',
+        (
+            (name, n * 100 // total if n else 0, colour)
+            for name, n, colour in zip(
+                ("completed", "discarded", "cancelled", "running", "available"), counts, _BAR_COLOURS, strict=True
+            )
+        ),
+    )
+    done = (counts[0] + counts[1] + counts[2]) * 100 // total
+    return format_html(
+        '<div class="relay-progress" style="width:12em;height:.7em;background:#f5f5f5;white-space:nowrap;'
+        'overflow:hidden;border-radius:2px" title="{}% finished">{}</div><small>{}</small>',
+        done,
+        segments,
+        label,
     )
 
 
@@ -189,7 +216,8 @@ class BatchAdmin(ViewOnlyAdmin):
 
     @admin.display(description="progress (completed / discarded / cancelled / running / available)")
     def progress(self, obj):
-        return f"{obj.n_completed} / {obj.n_discarded} / {obj.n_cancelled} / {obj.n_running} / {obj.n_available}"
+        counts = (obj.n_completed, obj.n_discarded, obj.n_cancelled, obj.n_running, obj.n_available)
+        return progress_bar(counts, " / ".join(str(n) for n in counts))
 
     @admin.display(description="id", ordering="id")
     def shown_id(self, obj):
@@ -217,7 +245,8 @@ class BatchAdmin(ViewOnlyAdmin):
 
     @admin.display(description="all items")
     def items_link(self, obj):
-        return format_html('<a href="../../item/?batch__id__exact={}">browse all {} items</a>', obj.pk, obj.total_items)
+        url = reverse("admin:batches_item_changelist")
+        return format_html('<a href="{}?batch__id__exact={}">browse all {} items</a>', url, obj.pk, obj.total_items)
 
     @admin.action(description="Cancel the selected batches")
     def cancel_batches(self, request, queryset):
@@ -326,8 +355,7 @@ class FileAdmin(ViewOnlyAdmin):
     )
     readonly_fields = fields
 
-    # Owners delete through DELETE /v1/files/{id}, which also removes the stored bytes.
-    deletable = False
+    # Deleting here removes the stored bytes too (batches/retention.py), as DELETE /v1/files/{id} does.
 
     def get_search_results(self, request, queryset, search_term):
         found = _search_public_id(queryset, search_term, "file-")

@@ -23,8 +23,9 @@ from django.core.exceptions import RequestDataTooBig, TooManyFieldsSent, TooMany
 from django.core.files.uploadhandler import FileUploadHandler, SkipFile
 from django.db import transaction
 from django.http.multipartparser import MultiPartParserError
+from django.utils import timezone
 
-from batches import storage
+from batches import retention, storage
 from batches.errors import OpenAIError, invalid, missing
 from batches.models import File, FilePurpose
 from relay.auth import Principal
@@ -152,9 +153,8 @@ def _receive(principal: Principal, django_request, limit: int) -> File:
             raise too_large(limit) from exc
         except (MultiPartParserError, RequestDataTooBig, TooManyFieldsSent, TooManyFilesSent) as exc:
             raise invalid(f"Malformed multipart body: {exc}", code="invalid_multipart") from exc
-        unknown = sorted(set(fields) - _UPLOAD_FIELDS)
+        unknown = sorted(set(fields) - _UPLOAD_FIELDS - retention.UPLOAD_FIELDS)
         if unknown:
-            # e.g. expires_after[...]: files here are kept until deleted; say so rather than ignore it.
             raise invalid(
                 f"Unsupported upload field(s): {', '.join(unknown)}.", param=unknown[0], code="unknown_parameter"
             )
@@ -171,15 +171,19 @@ def _receive(principal: Principal, django_request, limit: int) -> File:
             raise invalid("Send exactly one file, in the 'file' part.", param="file")
         if not handler.complete:
             raise invalid("The 'file' part ended before its closing boundary.", param="file")
+        expires_after = retention.upload_expiry(fields)
         writer, handler.writer = handler.writer, None
         try:
             ref = writer.close()
+            now = timezone.now()
             return File.objects.create(
                 id=handler.file_id,
                 purpose=FilePurpose.BATCH,
                 filename=handler.filename,
                 bytes=writer.size,
                 ref=ref,
+                created_at=now,
+                expires_at=retention.expires_at(expires_after, now),
                 **owner_columns(principal),
             )
         except BaseException:

@@ -20,8 +20,9 @@ import json
 
 import uuid6
 from django.db import transaction
+from django.utils import timezone
 
-from batches import lifecycle, storage
+from batches import lifecycle, retention, storage
 from batches.files import owner_columns
 from batches.models import PENDING_STATES, Batch, BatchStatus, File, FilePurpose, Item, ItemState, Surface
 from batches.outcomes import Code, openai_code
@@ -78,7 +79,10 @@ class _ResultFile:
             return None
         ref = self.writer.close()
         b = self.batch
+        now = timezone.now()
         File.objects.create(
+            created_at=now,
+            expires_at=retention.output_expires_at(b, now),
             id=self.id,
             purpose=FilePurpose.BATCH_OUTPUT,
             filename=f"{b.public_id}_{self.kind}.jsonl",

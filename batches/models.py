@@ -359,9 +359,15 @@ class File(models.Model):
     ref = models.CharField(max_length=300)  # storage ref (batches/storage.py)
     # The batch that wrote it: its output/error files, or the input file made from inline `requests`.
     batch_id = models.UUIDField(null=True, blank=True)
+    # OpenAI's `expires_after` (uploads) / the batch's `output_expires_after` (its output and error
+    # files); null: kept until deleted. The retention job removes the row and the bytes once past it.
+    expires_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
-        indexes = [models.Index(fields=["owner_hash", "-id"], name="file_owner_id")]
+        indexes = [
+            models.Index(fields=["owner_hash", "-id"], name="file_owner_id"),
+            models.Index(fields=["expires_at"], name="file_expiring", condition=Q(expires_at__isnull=False)),
+        ]
         constraints = [
             models.CheckConstraint(condition=Q(purpose__in=[p.value for p in FilePurpose]), name="file_purpose_valid"),
             models.CheckConstraint(condition=Q(bytes__gte=0), name="file_bytes_not_negative"),
@@ -377,6 +383,17 @@ class File(models.Model):
     @property
     def public_id(self) -> str:
         return f"file-{self.id.hex}"
+
+
+class OutputExpiry(models.Model):
+    """A batch's `output_expires_after` (OpenAI): its output and error files expire `seconds` after
+    they are written. Its own table, so the batch row is untouched."""
+
+    batch = models.OneToOneField(Batch, primary_key=True, on_delete=models.CASCADE, related_name="output_expiry")
+    seconds = models.PositiveIntegerField()
+
+    def __str__(self):
+        return f"{self.batch_id}: {self.seconds}s"
 
 
 class Payload(models.Model):

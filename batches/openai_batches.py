@@ -20,7 +20,7 @@ from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from batches import ingest, lifecycle, selectors, storage
+from batches import ingest, lifecycle, retention, selectors, storage
 from batches.errors import OpenAIError, invalid, missing, no_batch_access
 from batches.files import write_file
 from batches.models import Batch, BatchStatus, Endpoint, File, FilePurpose, Shape, Surface
@@ -29,7 +29,15 @@ from relay.auth import Principal
 
 log = logging.getLogger(__name__)
 
-CREATE_KEYS = {"endpoint", "completion_window", "input_file_id", "requests", "metadata", "model"}
+CREATE_KEYS = {
+    "endpoint",
+    "completion_window",
+    "input_file_id",
+    "requests",
+    "metadata",
+    "model",
+    "output_expires_after",
+}
 METADATA_MAX_PAIRS = 16
 METADATA_KEY_MAX = 64
 METADATA_VALUE_MAX = 512
@@ -105,6 +113,7 @@ def create(principal: Principal, submission: ingest.Submission, *, idempotency_k
                 request_sha256=submission.sha256 if idempotency_key else "",
                 **Batch.attribution(principal),
             )
+            retention.remember_output_expiry(batch_id, params["output_expires_after"])
             transaction.on_commit(lambda: lifecycle.hand_off("validate_openai_batch", batch_id))
     except BaseException as exc:
         if inline is not None:
@@ -179,6 +188,11 @@ def _create_params(submission: ingest.Submission) -> dict:
         "input_file_id": file_id,
         "metadata": _metadata(top.get("metadata")),
         "model": _model_hint(top.get("model")),
+        "output_expires_after": (
+            retention.parse_expires_after(top["output_expires_after"], "output_expires_after")
+            if top.get("output_expires_after") is not None
+            else None
+        ),
     }
 
 

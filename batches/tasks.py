@@ -32,3 +32,11 @@ def validate_openai_batch(batch_id: str) -> None:
 @shared_task(name="batches.tasks.finalize_openai_batch", ignore_result=True, acks_late=True)
 def finalize_openai_batch(batch_id: str) -> None:
     finalize.finalize(batch_id)
+
+
+@shared_task(name="batches.tasks.retention", ignore_result=True)
+def retention() -> dict:
+    """Expired files, native batches past RELAY_NATIVE_BATCH_RETENTION_SECONDS, stale revoked tokens."""
+    from batches import retention as retention_
+
+    return retention_.sweep()

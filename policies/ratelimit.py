@@ -288,6 +288,18 @@ def _kind(meter: str) -> str:
     return meter  # "requests" or "concurrency"
 
 
+# Denials per scope (`policy:<id>`, `hostkey:<id>`) and meter, counted where every process sees them;
+# /metrics reads it (relay/metrics.py). A counter that restarts if Redis loses it, like any counter.
+DENIALS_KEY = "relay:metrics:ratelimit_denials"
+
+
+def _count_denial(client, scope: str, meter: str) -> None:
+    try:
+        client.hincrby(DENIALS_KEY, f"{scope}|{meter}", 1)
+    except redis.RedisError:  # a metric never turns a 429 into a 500
+        pass
+
+
 def reserve(scope: str, rate_limit: RateLimit | None, *, subject: str) -> Reservation:
     """Take one request's share of every rule of `rate_limit` under `scope`, or
     raise `RateLimited`. `subject` names the limited party in the message."""
@@ -306,6 +318,7 @@ def reserve(scope: str, rate_limit: RateLimit | None, *, subject: str) -> Reserv
     result = _script(client, _RESERVE_LUA)(keys=keys, args=args, client=client)
     if int(result[0]) == 0:
         rule = rules[int(result[1]) - 1]
+        _count_denial(client, scope, rule.meter)
         raise RateLimited(rule.meter, subject, max(1, math.ceil(int(result[2]) / 1000)))
 
     return Reservation(

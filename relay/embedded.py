@@ -61,17 +61,15 @@ def _port_free(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) != 0
 
 
-def main() -> None:
+def embedded_env(base: dict | None = None) -> dict:
+    """The environment of every embedded process: its secrets, SQLite, the embedded Redis, the demo upstream.
+    `scripts/embedded.sh` runs any command (manage.py, celery flower) with it."""
     STATE_DIR.mkdir(exist_ok=True)
-    env = dict(os.environ)
+    env = dict(os.environ if base is None else base)
     for name, value in _load_or_create_secrets().items():
         env.setdefault(name, value)
-    api_port = int(env.get("RELAY_PORT", "8080"))
     redis_port = int(env.get("RELAY_EMBEDDED_REDIS_PORT", "6390"))
     demo_port = int(env.get("RELAY_DEMO_UPSTREAM_PORT", "8090"))
-    for port, what in ((api_port, "API"), (redis_port, "embedded Redis"), (demo_port, "demo upstream")):
-        if not _port_free(port):
-            raise SystemExit(f"port {port} ({what}) is already in use; stop what holds it or set its RELAY_*_PORT")
     env.update(
         RELAY_EMBEDDED="1",
         DJANGO_SETTINGS_MODULE="relay.settings",
@@ -81,24 +79,85 @@ def main() -> None:
         PYTHONUNBUFFERED="1",
     )
     env.setdefault("RELAY_BATCH_PAYLOAD_DIR", str(STATE_DIR / "payloads"))
-    py = sys.executable
-    procs: list[subprocess.Popen] = []
+    return env
 
-    def spawn(name, args):
+
+class Children:
+    """The launcher's child processes. Each runs in its own session, so a terminal's Ctrl-C reaches only
+    the launcher (never gunicorn twice: once from the terminal, once from us), and stopping signals each
+    child's whole process group — pool workers and gunicorn workers included. Used as a context manager,
+    a start-up that fails half-way stops what it had started."""
+
+    def __init__(self, env: dict, grace_seconds: float = 15.0):
+        self.env = env
+        self.grace = grace_seconds
+        self.procs: list[subprocess.Popen] = []
+        self.stopping = False
+
+    def spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         print(f"[embedded] starting {name}", flush=True)
-        proc = subprocess.Popen(args, env=env, cwd=BASE_DIR)
-        procs.append(proc)
+        proc = subprocess.Popen(args, env=self.env, cwd=BASE_DIR, start_new_session=True)
+        self.procs.append(proc)
         return proc
 
-    def stop_all(*_):
-        for p in reversed(procs):
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
+    @staticmethod
+    def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+        try:
+            os.killpg(proc.pid, sig)  # start_new_session: the child leads a group of its own pid
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def stop(self) -> None:
+        """SIGTERM every group (last started first), wait up to the grace period, then SIGKILL every group."""
+        if self.stopping:
+            return
+        self.stopping = True
+        for p in reversed(self.procs):
+            self._signal_group(p, signal.SIGTERM)
+        deadline = time.monotonic() + self.grace
+        for p in self.procs:
             try:
-                p.wait(timeout=15)
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                p.kill()
+                pass
+        for p in self.procs:
+            # Also reaches what outlived its leader (a gunicorn worker whose master is gone).
+            self._signal_group(p, signal.SIGKILL)
+        for p in self.procs:
+            p.wait()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+        return False
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["exec"]:
+        return exec_embedded(sys.argv[2:])
+    env = embedded_env()
+    api_port = int(env.get("RELAY_PORT", "8080"))
+    redis_port = int(env.get("RELAY_EMBEDDED_REDIS_PORT", "6390"))
+    demo_port = int(env.get("RELAY_DEMO_UPSTREAM_PORT", "8090"))
+    for port, what in ((api_port, "API"), (redis_port, "embedded Redis"), (demo_port, "demo upstream")):
+        if not _port_free(port):
+            raise SystemExit(f"port {port} ({what}) is already in use; stop what holds it or set its RELAY_*_PORT")
+    py = sys.executable
+    with Children(env) as children:
+        _run(children, env, py, api_port, redis_port, demo_port)
+
+
+def _run(children: "Children", env: dict, py: str, api_port: int, redis_port: int, demo_port: int) -> None:
+    spawn = children.spawn
+    procs = children.procs
+
+    def stop_all(*_):
+        # Further Ctrl-Cs while stopping are ignored: the stop is already under way and bounded.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        children.stop()
         sys.exit(0)
 
     signal.signal(signal.SIGINT, stop_all)
@@ -176,6 +235,19 @@ def main() -> None:
                 print(f"[embedded] a child process exited with {p.returncode}; stopping", flush=True)
                 stop_all()
         time.sleep(1)
+
+
+def exec_embedded(argv: list[str]) -> None:
+    """`scripts/embedded.sh CMD…`: run a command against the embedded instance (its secrets and state).
+    `manage.py …` and `celery …` run with this Python."""
+    if not argv:
+        raise SystemExit("usage: scripts/embedded.sh manage.py <command> … | celery … | <program> …")
+    if argv[0] == "manage.py":
+        argv = [sys.executable, *argv]
+    elif argv[0] == "celery":
+        argv = [sys.executable, "-m", *argv]
+    os.chdir(BASE_DIR)
+    os.execvpe(argv[0], argv, embedded_env())
 
 
 def _ensure_admin(env: dict, manage: list) -> str:

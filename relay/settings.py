@@ -10,6 +10,7 @@ Two modes share this file:
 `.env.example` lists every variable.
 """
 
+import tempfile
 from pathlib import Path
 
 import environ
@@ -54,6 +55,8 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "rest_framework",
+    "drf_spectacular",
+    "drf_spectacular_sidecar",
     "relay",
     "policies",
     "usage",
@@ -140,6 +143,27 @@ REST_FRAMEWORK = {
     "UNAUTHENTICATED_USER": None,
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
     "EXCEPTION_HANDLER": "relay.errors.drf_exception_handler",
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+}
+
+# OpenAPI schema (/api/schema/, docs at /api/docs/). The views build their own JSON,
+# so the shapes are declared in relay/openapi.py. OpenAPI 3.1: its schemas are JSON Schema.
+SPECTACULAR_SETTINGS = {
+    "TITLE": "Relay batch API",
+    "DESCRIPTION": "LLM gateway with batch inference: live calls, relay-native batches, "
+    "OpenAI-compatible files and batches, usage.",
+    "VERSION": "1",
+    "OAS_VERSION": "3.1.0",
+    "SERVE_INCLUDE_SCHEMA": False,
+    "SERVE_PERMISSIONS": ["rest_framework.permissions.AllowAny"],
+    "SERVE_AUTHENTICATION": [],
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
+    "PREPROCESSING_HOOKS": ["relay.openapi.preprocess"],
+    "POSTPROCESSING_HOOKS": ["relay.openapi.postprocess"],
+    "COMPONENT_SPLIT_REQUEST": False,
+    "DISABLE_ERRORS_AND_WARNINGS": True,
 }
 
 # --- Relay ---------------------------------------------------------------
@@ -168,6 +192,10 @@ CELERY_BROKER_TRANSPORT_OPTIONS = {
 }
 CELERY_TASK_DEFAULT_QUEUE = "default"
 CELERY_TASK_ALWAYS_EAGER = env.bool("CELERY_TASK_ALWAYS_EAGER", default=False)
+# beat's state file: never in the working directory (embedded mode and compose pass their own -s).
+CELERY_BEAT_SCHEDULE_FILENAME = env.str(
+    "CELERY_BEAT_SCHEDULE_FILENAME", default=str(Path(tempfile.gettempdir()) / "relay-celerybeat-schedule")
+)
 
 LOGGING = {
     "version": 1,
@@ -193,8 +221,18 @@ RELAY_BATCH_SWEEP_SECONDS = env.float("RELAY_BATCH_SWEEP_SECONDS", default=5.0)
 # Wake-up messages kept queued in Redis at most (a bounded window, not one per item).
 RELAY_BATCH_WAKEUP_WINDOW = env.int("RELAY_BATCH_WAKEUP_WINDOW", default=16)
 
-# Item work on `batch` (the 8-slot item worker); everything else of batches — sweeping,
-# validation, finalization — on `control`, its own worker (relay/processes.py).
+# --- Retention (batches/retention.py; the `retention` beat job) ------------------------
+# How often expired files, old native batches and pruned credentials are removed.
+RELAY_RETENTION_SWEEP_SECONDS = env.float("RELAY_RETENTION_SWEEP_SECONDS", default=300.0)
+# Native batches (spec 000) finished longer ago than this are deleted with their payloads
+# (rows, request and response bodies). 0 keeps them until deleted by hand.
+RELAY_NATIVE_BATCH_RETENTION_SECONDS = env.int("RELAY_NATIVE_BATCH_RETENTION_SECONDS", default=0)
+# Revoked inference tokens are remembered until they would have expired anyway, plus this margin.
+RELAY_REVOKED_TOKEN_PRUNE_MARGIN_SECONDS = env.int("RELAY_REVOKED_TOKEN_PRUNE_MARGIN_SECONDS", default=3600)
+# Payload-store entries younger than this are never called orphans (an upload or ingest in flight).
+RELAY_ORPHAN_GRACE_SECONDS = env.int("RELAY_ORPHAN_GRACE_SECONDS", default=3600)
+
+
 # Waiting and retrying (batches/retrying.py). Attempts an item may use on surfaces that retry
 # (OpenAI-compatible; native batches that opt in set their own): transient failures count,
 # waits for capacity don't.
@@ -207,12 +245,15 @@ RELAY_BATCH_RETRY_MAX_SECONDS = env.float("RELAY_BATCH_RETRY_MAX_SECONDS", defau
 # No item waits for capacity (or retries) once this long has passed since its batch was submitted.
 RELAY_BATCH_MAX_WAIT_SECONDS = env.int("RELAY_BATCH_MAX_WAIT_SECONDS", default=24 * 3600)
 
+# Item work on `batch` (the 8-slot item worker); everything else of batches — sweeping,
+# validation, finalization, retention — on `control`, its own worker (relay/processes.py).
 CELERY_TASK_ROUTES = {
     "batches.tasks.run_items": {"queue": "batch"},
     "batches.tasks.*": {"queue": "control"},
 }
 CELERY_BEAT_SCHEDULE = {
     "batch-sweeper": {"task": "batches.tasks.sweep", "schedule": RELAY_BATCH_SWEEP_SECONDS},
+    "retention": {"task": "batches.tasks.retention", "schedule": RELAY_RETENTION_SWEEP_SECONDS},
 }
 
 # --- Batches: the OpenAI-compatible surface (Files + Batch objects, spec 003) ---

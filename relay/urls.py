@@ -1,18 +1,26 @@
 from django.contrib import admin
 from django.urls import include, path
 
+from relay import openapi
 from relay.api.inference import inference_urls
 from relay.api.views import ModelsView
+from relay.metrics import metrics_view
+from relay.operator import health_page, landing
 from relay.views import HealthView
 
 admin.site.site_header = "Relay batch — operator"
 admin.site.site_title = "Relay batch"
+admin.site.index_template = "admin/relay_index.html"  # links the health page and the API docs
 
 urlpatterns = [
+    path("", landing, name="landing"),
     path("healthz", HealthView.as_view(), name="healthz"),
+    path("metrics", metrics_view, name="metrics"),
     path("v1/models", ModelsView.as_view(), name="models"),
+    path("admin/health/", admin.site.admin_view(health_page), name="admin-health"),
     path("admin/", admin.site.urls),
     path("api/usage/", include("usage.urls")),
+    *openapi.urls(),
     path("", include("batches.urls")),
     *inference_urls(),
 ]

@@ -175,7 +175,8 @@ def test_files_are_private_to_their_owner(files, catalog):
     [
         ({"purpose": "fine-tune"}, "purpose", "invalid_value"),
         ({"purpose": None}, "purpose", "missing_required_parameter"),
-        ({"expires_after[anchor]": "created_at"}, "expires_after[anchor]", "unknown_parameter"),
+        ({"expires_after[anchor]": "created_at"}, "expires_after.seconds", "invalid_value"),  # half a policy
+        ({"ttl": "3600"}, "ttl", "unknown_parameter"),
     ],
 )
 def test_bad_uploads_are_400_and_store_nothing(files, kwargs, param, code):

@@ -48,7 +48,7 @@ def file(f: File) -> dict:
         "filename": f.filename,
         "purpose": f.purpose,
         "status": "processed",  # deprecated by OpenAI; a stored file here is always ready
-        "expires_at": None,  # kept until deleted
+        "expires_at": _ts(f.expires_at),  # null: kept until deleted
         "status_details": None,
     }
 

@@ -1,0 +1,332 @@
+"""Prometheus metrics at `GET /metrics` (bearer RELAY_ADMIN_TOKEN).
+
+Workers are prefork Celery processes and the API runs several gunicorn processes, possibly on
+several machines, so no series is an in-process counter: every value is computed at scrape time
+from what all processes share — PostgreSQL (items, batches, usage events) and Redis (queues,
+breakers, rate-limit denials). Any replica's /metrics answers for the whole deployment; scrape one.
+
+Series (all prefixed `relay_`):
+- batch_items{state}, batches{surface,status}             gauges, from Item / Batch rows
+- queue_depth{queue}                                      gauge, Celery messages waiting in Redis
+- item_run_seconds{state}                                 histogram of finished items' started→finished
+- upstream_request_seconds{host,status,source}            histogram of usage events' duration_ms
+- breaker_state{host,key,state}, breaker_step{host,key}   per host key, by its name (never its value)
+- ratelimit_denials_total{scope,name,meter}               counter, counted in Redis at each denial
+- usage_requests_total{model,source,status}, usage_tokens_total{model,source,kind},
+  usage_cost_usd_total{model,source}, usage_billed_cost_usd_total{model,source}   counters from usage events
+- worker_slots_busy{worker}                               running items per worker host (lease owner)
+
+The histograms and usage counters aggregate the whole usage table at each scrape (one grouped
+query each); retention that deletes rows makes them step down, which Prometheus reads as a reset.
+"""
+
+import hmac
+import logging
+from datetime import timedelta
+
+from django.conf import settings
+from django.db.models import Count, DurationField, ExpressionWrapper, F, Q, Sum
+from django.http import HttpResponse, JsonResponse
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+log = logging.getLogger(__name__)
+
+QUEUES = ("batch", "default")
+# Celery's Redis transport keeps priority steps 3/6/9 in sibling lists named queue + \x06\x16 + step.
+_PRIORITY_SUFFIXES = ("", "\x06\x163", "\x06\x166", "\x06\x169")
+RUN_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+UPSTREAM_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+BREAKER_STATES = ("closed", "half_open", "open")
+NANO = 1_000_000_000
+
+
+def _le(bound) -> str:
+    return str(float(bound))
+
+
+def _histogram(name, doc, labels, rows, buckets):
+    """rows: (label values, {bucket: count ≤ bucket}, count, sum seconds)."""
+    fam = HistogramMetricFamily(name, doc, labels=labels)
+    for values, counts, total, total_s in rows:
+        points = [(_le(b), counts[b]) for b in buckets] + [("+Inf", total)]
+        fam.add_metric(values, points, sum_value=total_s)
+    return fam
+
+
+def batch_items():
+    from batches.models import Batch, Item, ItemState
+
+    items = GaugeMetricFamily("relay_batch_items", "Batch items by state.", labels=["state"])
+    counts = dict(Item.objects.values_list("state").annotate(n=Count("pk")).order_by())
+    for state in ItemState.values:
+        items.add_metric([state], counts.get(state, 0))
+    yield items
+    batches = GaugeMetricFamily("relay_batches", "Batches by surface and status.", labels=["surface", "status"])
+    for surface, status, n in Batch.objects.values_list("surface", "status").annotate(n=Count("pk")).order_by():
+        batches.add_metric([surface, status], n)
+    yield batches
+
+
+def queue_depths() -> dict[str, int]:
+    """Messages waiting in each Celery queue (all priority steps)."""
+    from batches.openai_batches import _broker
+
+    pipe = _broker(settings.CELERY_BROKER_URL).pipeline(transaction=False)
+    for queue in QUEUES:
+        for suffix in _PRIORITY_SUFFIXES:
+            pipe.llen(queue + suffix)
+    lengths = pipe.execute()
+    n = len(_PRIORITY_SUFFIXES)
+    return {queue: sum(lengths[i * n : (i + 1) * n]) for i, queue in enumerate(QUEUES)}
+
+
+def queue_depth():
+    fam = GaugeMetricFamily("relay_queue_depth", "Celery messages waiting in the broker, per queue.", labels=["queue"])
+    for queue, n in queue_depths().items():
+        fam.add_metric([queue], n)
+    yield fam
+
+
+def item_run_seconds():
+    from batches.models import Item
+
+    run = ExpressionWrapper(F("finished_at") - F("started_at"), output_field=DurationField())
+    aggregates = {f"le_{i}": Count("pk", filter=Q(run__lte=timedelta(seconds=b))) for i, b in enumerate(RUN_BUCKETS_S)}
+    rows = (
+        Item.objects.filter(finished_at__isnull=False, started_at__isnull=False)
+        .annotate(run=run)
+        .values("state")
+        .annotate(n=Count("pk"), total=Sum("run"), **aggregates)
+        .order_by()
+    )
+    yield _histogram(
+        "relay_item_run_seconds",
+        "Run time of finished batch items (claim to finish), by final state.",
+        ["state"],
+        [
+            (
+                [r["state"]],
+                {b: r[f"le_{i}"] for i, b in enumerate(RUN_BUCKETS_S)},
+                r["n"],
+                r["total"].total_seconds() if r["total"] else 0.0,
+            )
+            for r in rows
+        ],
+        RUN_BUCKETS_S,
+    )
+
+
+def upstream_seconds():
+    from usage.models import UsageEvent
+
+    aggregates = {f"le_{i}": Count("pk", filter=Q(duration_ms__lte=b * 1000)) for i, b in enumerate(UPSTREAM_BUCKETS_S)}
+    rows = (
+        UsageEvent.objects.exclude(host="")
+        .values("host", "status", "source")
+        .annotate(n=Count("pk"), total=Sum("duration_ms"), **aggregates)
+        .order_by()
+    )
+    yield _histogram(
+        "relay_upstream_request_seconds",
+        "Duration of requests that reached a host (live and batch), by host, final status and source.",
+        ["host", "status", "source"],
+        [
+            (
+                [r["host"], str(r["status"]), r["source"]],
+                {b: r[f"le_{i}"] for i, b in enumerate(UPSTREAM_BUCKETS_S)},
+                r["n"],
+                (r["total"] or 0) / 1000,
+            )
+            for r in rows
+        ],
+        UPSTREAM_BUCKETS_S,
+    )
+
+
+def usage_counters():
+    from usage.models import UsageEvent
+
+    requests = CounterMetricFamily(
+        "relay_usage_requests", "Usage events by model, source and status.", labels=["model", "source", "status"]
+    )
+    for model, source, status, n in (
+        UsageEvent.objects.values_list("model", "source", "status").annotate(n=Count("pk")).order_by()
+    ):
+        requests.add_metric([model, source, str(status)], n)
+    yield requests
+
+    tokens = CounterMetricFamily(
+        "relay_usage_tokens", "Tokens recorded in usage events.", labels=["model", "source", "kind"]
+    )
+    cost = CounterMetricFamily(
+        "relay_usage_cost_usd", "Cost of usage events (list price), USD.", labels=["model", "source"]
+    )
+    billed = CounterMetricFamily(
+        "relay_usage_billed_cost_usd",
+        "What callers are charged (after batch discounts), USD.",
+        labels=["model", "source"],
+    )
+    kinds = ("input_tokens", "output_tokens", "cache_read_tokens", "cache_write_tokens")
+    rows = (
+        UsageEvent.objects.values("model", "source")
+        .annotate(
+            **{k: Sum(k) for k in kinds},
+            cost=Sum("cost_nano_usd"),
+            billed_discounted=Sum("billed_cost_nano_usd"),
+            billed_rest=Sum("cost_nano_usd", filter=Q(billed_cost_nano_usd__isnull=True)),
+        )
+        .order_by()
+    )
+    for r in rows:
+        labels = [r["model"], r["source"]]
+        for k in kinds:
+            tokens.add_metric([*labels, k.removesuffix("_tokens")], r[k] or 0)
+        cost.add_metric(labels, (r["cost"] or 0) / NANO)
+        billed.add_metric(labels, ((r["billed_discounted"] or 0) + (r["billed_rest"] or 0)) / NANO)
+    yield tokens
+    yield cost
+    yield billed
+
+
+def breaker_snapshots() -> list[tuple[str, str, dict]]:
+    """(host name, key name, breaker snapshot) of every enabled host key; its value is only hashed."""
+    from policies import breaker
+    from relay.crypto import SecretUnavailable, sha256_hex
+    from relay.models import HostKey
+
+    out = []
+    for key in HostKey.objects.filter(enabled=True).select_related("host").order_by("host__name", "name"):
+        try:
+            key_hash = sha256_hex(key.get_value())[:12]  # as relay/pipeline.py keys the breaker
+        except SecretUnavailable:
+            continue
+        out.append((key.host.name, key.name, breaker.snapshot(key_hash)))
+    return out
+
+
+def breakers():
+    state = GaugeMetricFamily(
+        "relay_breaker_state",
+        "Circuit breaker of each host key (1 for its current state), by host and key name.",
+        labels=["host", "key", "state"],
+    )
+    step = GaugeMetricFamily(
+        "relay_breaker_step", "Cooldown ladder step of each host key's breaker.", labels=["host", "key"]
+    )
+    for host, key, snap in breaker_snapshots():
+        for s in BREAKER_STATES:
+            state.add_metric([host, key, s], 1 if snap["state"] == s else 0)
+        step.add_metric([host, key], snap["step"])
+    yield state
+    yield step
+
+
+def ratelimit_denials():
+    from policies.models import Policy
+    from policies.ratelimit import DENIALS_KEY
+    from relay.models import HostKey
+    from relay.redis import get_redis
+
+    fam = CounterMetricFamily(
+        "relay_ratelimit_denials",
+        "Requests refused by a rate limit, by scope (policy = inbound, hostkey = upstream tier) and meter.",
+        labels=["scope", "name", "meter"],
+    )
+    raw = get_redis().hgetall(DENIALS_KEY)
+    parsed = []
+    for field, value in raw.items():
+        scope_id, _, meter = (field.decode() if isinstance(field, bytes) else field).partition("|")
+        kind, _, ident = scope_id.partition(":")
+        parsed.append((kind, ident, meter, int(value)))
+    names = {
+        "policy": dict(
+            Policy.objects.filter(
+                pk__in=[int(i) for k, i, _, _ in parsed if k == "policy" and i.isdigit()]
+            ).values_list("pk", "name")
+        ),
+        "hostkey": dict(
+            HostKey.objects.filter(
+                pk__in=[int(i) for k, i, _, _ in parsed if k == "hostkey" and i.isdigit()]
+            ).values_list("pk", "name")
+        ),
+    }
+    for kind, ident, meter, n in sorted(parsed):
+        name = names.get(kind, {}).get(int(ident), f"{kind}:{ident}") if ident.isdigit() else ident
+        fam.add_metric([kind, name, meter], n)
+    yield fam
+
+
+def slots_busy() -> dict[str, int]:
+    """Running items per worker host: a lease owner is host:pid:thread (batches.services.worker_id)."""
+    from batches.models import Item, ItemState
+
+    busy: dict[str, int] = {}
+    for owner in Item.objects.filter(state=ItemState.RUNNING).values_list("lease_owner", flat=True):
+        host = owner.split(":", 1)[0]
+        busy[host] = busy.get(host, 0) + 1
+    return dict(sorted(busy.items()))
+
+
+def worker_slots():
+    fam = GaugeMetricFamily(
+        "relay_worker_slots_busy", "Batch items running now, per worker host (of its lease).", labels=["worker"]
+    )
+    for host, n in slots_busy().items():
+        fam.add_metric([host], n)
+    yield fam
+
+
+SOURCES = (
+    batch_items,
+    queue_depth,
+    item_run_seconds,
+    upstream_seconds,
+    usage_counters,
+    breakers,
+    ratelimit_denials,
+    worker_slots,
+)
+
+
+class RelayCollector:
+    """Each source is computed independently: one that fails (Redis down) is logged and
+    reported by relay_scrape_error{source}, and the others are still served."""
+
+    def collect(self):
+        errors = GaugeMetricFamily(
+            "relay_scrape_error", "1 when a metrics source failed this scrape.", labels=["source"]
+        )
+        for source in SOURCES:
+            try:
+                families = list(source())
+            except Exception:
+                log.warning("metrics source %s failed", source.__name__, exc_info=True)
+                errors.add_metric([source.__name__], 1)
+                continue
+            errors.add_metric([source.__name__], 0)
+            yield from families
+        yield errors
+
+
+registry = CollectorRegistry(auto_describe=False)
+registry.register(RelayCollector())
+
+
+def _authorized(request) -> bool:
+    auth = request.headers.get("Authorization", "").strip()
+    if auth[:7].lower() != "bearer " or not settings.RELAY_ADMIN_TOKEN:
+        return False
+    return hmac.compare_digest(auth[7:].strip().encode(), settings.RELAY_ADMIN_TOKEN.encode())
+
+
+def metrics_view(request):
+    if not _authorized(request):
+        response = JsonResponse(
+            {"error": {"message": "metrics need Authorization: Bearer <RELAY_ADMIN_TOKEN>", "type": "unauthorized"}},
+            status=401,
+        )
+        response["WWW-Authenticate"] = 'Bearer realm="relay metrics"'
+        return response
+    return HttpResponse(generate_latest(registry), content_type=CONTENT_TYPE_LATEST)
