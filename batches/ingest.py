@@ -104,6 +104,8 @@ def parse(stream, on_item) -> dict:
                     top[prefix] = value
     except ijson.JSONError as exc:
         raise RelayError(400, "invalid_json", f"invalid request body: {exc}") from exc
+    except UnicodeDecodeError as exc:  # yajl hands back a key or string holding a lone surrogate as raw bytes
+        raise RelayError(400, "invalid_json", f"invalid request body: not valid UTF-8 text ({exc.reason})") from exc
     return top
 
 
