@@ -73,7 +73,13 @@ def error_response(request, status: int, code: str, message: str, *, param: str 
         err = OpenAIError(status, code, message, param=param)
     else:
         err = RelayError(status, code, message, param=param)
-    response = err.response()
+    return _finish(request, err.response())
+
+
+def _finish(request, response: HttpResponse) -> HttpResponse:
+    # Answered before CommonMiddleware: say where the body ends, so the connection need not close
+    # (a server that drains an unread body before closing would otherwise hold the answer back).
+    response["Content-Length"] = str(len(response.content))
     rid = getattr(request, "relay_request_id", None)
     if rid:
         response["X-Relay-Request-ID"] = rid
@@ -206,7 +212,7 @@ class EdgeMiddleware:
             if not declared.strip().isdigit():
                 return error_response(request, 400, "invalid_content_length", "Content-Length must be a whole number")
             if int(declared) > limit:
-                return error_response(request, 413, "request_too_large", f"request body exceeds {limit} bytes")
+                return _too_large(request, limit)
         elif meta.get("HTTP_TRANSFER_ENCODING"):
             if not chunked or not meta.get("wsgi.input_terminated"):
                 return error_response(
@@ -235,7 +241,7 @@ class EdgeMiddleware:
                 size += len(chunk)
                 if size > limit:
                     spool.close()
-                    return error_response(request, 413, "request_too_large", f"request body exceeds {limit} bytes")
+                    return _too_large(request, limit)
                 spool.write(chunk)
         except BaseException:
             spool.close()
@@ -246,6 +252,14 @@ class EdgeMiddleware:
         request.META["CONTENT_LENGTH"] = str(size)
         request._relay_spool = spool
         return None
+
+
+def _too_large(request, limit: int) -> HttpResponse:
+    if request.path.rstrip("/") == "/v1/files":  # the upload's own answer (batches.files.too_large)
+        from batches.files import too_large
+
+        return _finish(request, too_large(settings.RELAY_MAX_UPLOAD_BYTES).response())
+    return error_response(request, 413, "request_too_large", f"request body exceeds {limit} bytes")
 
 
 def _is_json(response) -> bool:
