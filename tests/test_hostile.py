@@ -278,3 +278,21 @@ def test_declared_oversize_and_chunked_bodies(probe, fake):
     resp = probe.send("GET", "/v1/models?" + "a=b&" * 2000)
     assert resp.status_code == 414
     assert not probe.problems, "\n".join(probe.problems)
+
+
+def test_an_unexpected_exception_is_logged_with_its_request_id_and_answered_500_json(caplog):
+    from django.test import RequestFactory
+
+    from relay.edge import EdgeMiddleware
+
+    request = RequestFactory().post("/v1/chat/completions", data=b"{}", content_type="application/json")
+    request.relay_request_id = "req-123"
+    response = EdgeMiddleware(lambda r: None).process_exception(
+        request, OSError("[Errno 2] No such file: '/srv/relay/payloads/x'")
+    )
+    assert response.status_code == 500 and response["Content-Type"].startswith("application/json")
+    err = json.loads(response.content)["error"]
+    assert err["code"] == "internal_error" and "req-123" in err["message"]
+    assert "/srv" not in response.content.decode() and "Errno" not in response.content.decode()
+    assert response["X-Relay-Request-ID"] == "req-123"
+    assert any("req-123" in r.getMessage() and r.exc_info for r in caplog.records)
