@@ -300,7 +300,8 @@ def _finish(
     error_message: str = "",
 ) -> Outcome:
     route: routing.Route | None = ctx["route"]
-    body, headers = scrub.scrub_bytes(body), scrub.scrub_headers(headers)  # no host key leaves (issue 12)
+    # No host key leaves (issue 12): every pool key of the route was decrypted (and remembered) above.
+    body, headers = scrub.scrub_bytes(body, load=False), scrub.scrub_headers(headers, load=False)
     tokens = tokens or Tokens()
     p = call.principal
     key = ctx["host_key"]
@@ -312,7 +313,7 @@ def _finish(
         "duration_ms": int((time.monotonic() - started) * 1000),
         "attempts": ctx["attempts"],
         "error_kind": error_kind,
-        "error_message": scrub.scrub_text(error.message if error else error_message)[:500],
+        "error_message": scrub.scrub_text(error.message if error else error_message, load=False)[:500],
         **p.usage_attribution(),
         "policy": route.policy.name if route else "",
         "model": route.model.name if route else str(call.body.get("model", ""))[:200],

@@ -7,9 +7,11 @@ file, an item's kept error body, or a log line; each known host-key value in it
 is replaced by REDACTED.
 
 Known values: every value the pipeline decrypted to call a provider
-(`remember()`, so the key actually sent is always covered, even one rotated a
-second ago), plus all HostKey values in the catalog, reloaded at most every
-RELOAD_SECONDS. Log lines use only what is already known, never the database.
+(`remember()`: all pool keys of the route, so the key actually sent is always
+covered, even one rotated a second ago). With `load=True` (the default) also
+all HostKey values in the catalog, reloaded at most every RELOAD_SECONDS. The
+pipeline and log lines use `load=False`: no database query on the hot path or
+inside logging.
 """
 
 import logging
@@ -98,8 +100,8 @@ def scrub_bytes(data: bytes, *, load: bool = True) -> bytes:
     return data
 
 
-def scrub_headers(headers: dict) -> dict:
-    return {name: scrub_text(str(value)) if isinstance(value, str) else value for name, value in headers.items()}
+def scrub_headers(headers: dict, *, load: bool = True) -> dict:
+    return {name: scrub_text(value, load=load) if isinstance(value, str) else value for name, value in headers.items()}
 
 
 class ScrubFilter(logging.Filter):
