@@ -5,4 +5,4 @@ COPY requirements.txt .
 RUN pip install --no-cache-dir -r requirements.txt
 COPY . .
 EXPOSE 8080
-CMD ["gunicorn", "relay.wsgi", "-b", "0.0.0.0:8080", "--workers", "2", "--threads", "8", "--timeout", "120"]
+CMD ["python", "-m", "relay.webserver", "--bind", "0.0.0.0:8080"]

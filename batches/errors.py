@@ -20,8 +20,7 @@ class OpenAIError(RelayError):
         type: str | None = None,
         headers: dict | None = None,
     ):
-        super().__init__(status, code or "", message, type=type, headers=headers)
-        self.param = param
+        super().__init__(status, code or "", message, type=type, headers=headers, param=param)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code or None}}
@@ -30,7 +29,7 @@ class OpenAIError(RelayError):
     def of(cls, exc: RelayError) -> "OpenAIError":
         if isinstance(exc, OpenAIError):
             return exc
-        return cls(exc.status, exc.code, exc.message, type=exc.type, headers=exc.headers)
+        return cls(exc.status, exc.code, exc.message, type=exc.type, headers=exc.headers, param=exc.param)
 
 
 def invalid(message: str, *, param: str | None = None, code: str | None = "invalid_value") -> OpenAIError:

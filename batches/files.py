@@ -114,7 +114,8 @@ class _StorageUploadHandler(FileUploadHandler):
         if content_length is not None and content_length > self.limit:
             raise storage.FileTooLarge(self.limit)
         self.file_id = uuid6.uuid7()
-        self.filename = file_name[:255]
+        # Stored as text in PostgreSQL: no NUL, no lone surrogate (issue 12); the path part is already gone.
+        self.filename = file_name.replace("\x00", "").encode("utf-8", "replace").decode("utf-8")[:255]
         self.writer = storage.file_writer(str(self.file_id), limit=self.limit)
 
     def receive_data_chunk(self, raw_data, start):

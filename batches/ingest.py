@@ -19,6 +19,8 @@ from collections.abc import Iterator
 import ijson
 from django.conf import settings
 
+from batches.errors import invalid
+from relay import jsonguard
 from relay.errors import RelayError
 from relay.http import too_large
 
@@ -102,7 +104,20 @@ def parse(stream, on_item) -> dict:
                     top[prefix] = value
     except ijson.JSONError as exc:
         raise RelayError(400, "invalid_json", f"invalid request body: {exc}") from exc
+    except UnicodeDecodeError as exc:  # yajl hands back a key or string holding a lone surrogate as raw bytes
+        raise RelayError(400, "invalid_json", f"invalid request body: not valid UTF-8 text ({exc.reason})") from exc
     return top
+
+
+def _guard(value, path: str) -> None:
+    """relay.jsonguard's checks on one element or the top-level keys: a 400 naming the field.
+
+    Raised before the element is re-encoded, so a lone surrogate or a 10,000-deep
+    element never reaches json.dumps (it would crash there)."""
+    try:
+        jsonguard.check(value, path)
+    except jsonguard.JSONGuardError as exc:
+        raise invalid(f"Invalid request body: {exc.message}.", param=exc.path or None, code=exc.code) from exc
 
 
 def dumps(obj) -> bytes:
@@ -151,6 +166,7 @@ def read_submission(raw_stream, limit: int, keep: int) -> Submission:
     def on_item(idx: int, obj) -> None:
         nonlocal count
         count += 1
+        _guard(obj, f"requests[{idx}]")
         if idx < keep:
             # dumps() escapes newlines inside strings, so one element is one line.
             spool.write(dumps(obj))
@@ -159,6 +175,7 @@ def read_submission(raw_stream, limit: int, keep: int) -> Submission:
     stream = LimitedStream(raw_stream, limit)
     try:
         top = parse(stream, on_item)
+        _guard(top, "")
     except BaseException:
         spool.close()
         raise

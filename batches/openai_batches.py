@@ -171,6 +171,8 @@ def _create_params(submission: ingest.Submission) -> dict:
         raise invalid(
             "Invalid type for 'input_file_id': expected a string.", param="input_file_id", code="invalid_type"
         )
+    if has_file and not file_id.strip():  # "" is not "no file": refuse it (issue 12)
+        raise invalid("Invalid 'input_file_id': empty string; pass a file id (file-…).", param="input_file_id")
     if has_requests:
         max_items = settings.RELAY_BATCH_MAX_ITEMS
         if not submission.count:

@@ -7,7 +7,6 @@ same pipeline as a live request, and finishes it with a write fenced on
 Celery messages carry no state: a wake-up only says "claim and run work".
 """
 
-import json
 import logging
 import os
 import socket
@@ -28,7 +27,7 @@ from batches.outcomes import Code
 from batches.tools import config as tools_config
 from batches.tools.loop import run_tool_loop
 from policies.models import Policy
-from relay import auth, pipeline
+from relay import auth, jsonguard, pipeline
 from relay.errors import RelayError
 from usage.pricing import with_batch_price
 from usage.services import record_event
@@ -350,7 +349,7 @@ def _execute(batch: Batch, item: Item, principal, deadline: float, hb: Heartbeat
     if policy is None or not policy.enabled:
         return _Run(failure="batch: policy_unavailable", code=Code.POLICY_UNAVAILABLE)
     try:
-        body = json.loads(storage.read(item.input_ref))
+        body = jsonguard.loads(storage.read(item.input_ref))  # a ValueError: NUL, surrogates, depth (issue 12)
     except storage.PayloadMissing as exc:
         return _Run(failure=f"batch: load input: {exc}", code=Code.INVALID_ITEM)
     except ValueError as exc:

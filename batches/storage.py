@@ -17,6 +17,7 @@ stay readable after the setting changes. A missing payload raises
 PayloadMissing, which fails the item with `load input` — never silently.
 """
 
+import logging
 import os
 import shutil
 from collections.abc import Iterator
@@ -25,6 +26,8 @@ from pathlib import Path
 from django.conf import settings
 
 from batches.models import Payload
+
+log = logging.getLogger(__name__)
 
 
 class PayloadMissing(Exception):
@@ -128,8 +131,9 @@ def read(ref: str) -> bytes:
                 fh.seek(offset)
                 data = fh.read(length)
         except OSError as exc:
+            log.warning("payload %s not found under %s", rel, _root())  # the path is for operators only
             raise PayloadMissing(
-                f"payload {rel} not found under {_root()} (is RELAY_BATCH_PAYLOAD_DIR shared by every replica?)"
+                f"payload {rel} not found in the payload store (is RELAY_BATCH_PAYLOAD_DIR shared by every replica?)"
             ) from exc
         if len(data) != length:
             raise PayloadMissing(f"payload {rel} is truncated")
@@ -240,8 +244,9 @@ def iter_file(ref: str, chunk_size: int = FILE_CHUNK) -> Iterator[bytes]:
         try:
             fh = open(_root() / rest, "rb")  # noqa: SIM115 - closed below, also when the consumer stops early
         except OSError as exc:
+            log.warning("file %s not found under %s", rest, _root())  # the path is for operators only
             raise PayloadMissing(
-                f"file {rest} not found under {_root()} (is RELAY_BATCH_PAYLOAD_DIR shared by every replica?)"
+                f"file {rest} not found in the payload store (is RELAY_BATCH_PAYLOAD_DIR shared by every replica?)"
             ) from exc
         with fh:
             while chunk := fh.read(chunk_size):

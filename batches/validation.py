@@ -18,7 +18,6 @@ Otherwise every record is stored as an item (its body in the payload store,
 untouched) in one transaction and the batch moves to `in_progress`.
 """
 
-import json
 from dataclasses import dataclass, field
 
 import uuid6
@@ -29,6 +28,7 @@ from django.utils import timezone
 from batches import bulk, ingest, lifecycle, storage
 from batches.models import Batch, BatchStatus, File, Item, ItemState, Surface
 from batches.tools import config as tools_config
+from relay import jsonguard
 from usage.models import UsageEvent
 
 # Report at most this many problems; a file broken on every line says so soon enough.
@@ -175,9 +175,11 @@ def _ingest(batch: Batch, source: File, writer) -> _Ingest:
 def _check(raw: bytes, line: int, endpoint: str, seen: dict) -> tuple[dict | None, dict | None]:
     """(record, None) when the line is a well-formed record, else (None, error)."""
     try:
-        record = json.loads(raw)
-    except ValueError as exc:
-        return None, _error("invalid_json_line", f"Line {line} is not valid JSON: {exc}", line=line)
+        record = jsonguard.loads(raw)  # NUL, lone surrogates, depth, non-finite numbers: issue 12
+    except jsonguard.JSONGuardError as exc:
+        if exc.code == "invalid_json":
+            return None, _error("invalid_json_line", f"Line {line} is not valid JSON: {exc}", line=line)
+        return None, _error(exc.code, f"Line {line}: {exc.message}.", line=line, param=exc.path or None)
     if not isinstance(record, dict):
         return None, _error("invalid_request", f"Line {line} must be a JSON object (a request record).", line=line)
     custom_id = record.get("custom_id")

@@ -222,7 +222,12 @@ class _Handler(BaseHTTPRequestHandler):
             srv.stopping.wait(reply.delay)
         if self.path not in KNOWN_PATHS and reply.body is None:
             reply = Reply(status=404, body={"error": {"message": f"no route {self.path}", "type": "not_found"}})
-        payload = json.dumps(reply.body if reply.body is not None else canned(self.path, body)).encode()
+        try:
+            answer = reply.body if reply.body is not None else canned(self.path, body)
+        except (AttributeError, TypeError, ValueError):  # a malformed body: a provider answers 400, not a hang-up
+            reply = Reply(status=400)
+            answer = {"error": {"message": "malformed request body", "type": "invalid_request_error"}}
+        payload = json.dumps(answer).encode()
         self.send_response(reply.status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(payload)))

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from relay.processes import fleet
+from relay.webserver import gunicorn_argv
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 STATE_DIR = BASE_DIR / ".relay-embedded"
@@ -194,25 +195,7 @@ def _run(children: "Children", env: dict, py: str, api_port: int, redis_port: in
     ).stdout.strip()
     admin_password = _ensure_admin(env, manage)
 
-    spawn(
-        "api",
-        [
-            py,
-            "-m",
-            "gunicorn",
-            "relay.wsgi",
-            "-b",
-            f"0.0.0.0:{api_port}",
-            "--workers",
-            "2",
-            "--threads",
-            "8",
-            "--timeout",
-            "120",
-            "--access-logfile",
-            "-",
-        ],
-    )
+    spawn("api", gunicorn_argv(py, f"0.0.0.0:{api_port}"))  # slow-client resistant: relay.webserver
     # The item worker, the control worker and beat: the same set compose.yaml declares.
     for role, argv in fleet(py, "embedded", schedule=str(STATE_DIR / "celerybeat-schedule"), loglevel="WARNING"):
         spawn(role, argv)

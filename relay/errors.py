@@ -17,8 +17,10 @@ class RelayError(Exception):
         *,
         type: str | None = None,
         headers: dict | None = None,
+        param: str | None = None,
     ):
         super().__init__(message)
+        self.param = param  # the offending field (e.g. "messages[0].content"), when there is one
         self.status = status
         self.code = code
         self.message = message
@@ -29,6 +31,8 @@ class RelayError(Exception):
         err = {"type": self.type, "message": self.message}
         if self.code:
             err["code"] = self.code
+        if self.param:
+            err["param"] = self.param
         return {"error": err}
 
     def response(self) -> JsonResponse:

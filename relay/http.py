@@ -1,7 +1,6 @@
 """Reading request bodies within a byte budget, without trusting Content-Length."""
 
-import json
-
+from relay import jsonguard
 from relay.errors import RelayError
 
 _CHUNK = 64 * 1024
@@ -29,10 +28,19 @@ def too_large(limit: int, status: int = 413) -> RelayError:
 
 
 def parse_json_object(raw: bytes) -> dict:
+    """The body as a JSON object, checked by relay.jsonguard (NUL, lone surrogates, depth, non-finite numbers)."""
     try:
-        value = json.loads(raw)
-    except ValueError as exc:
-        raise RelayError(400, "invalid_json", f"request body is not valid JSON: {exc}") from exc
+        value = jsonguard.loads(raw)
+    except jsonguard.JSONGuardError as exc:
+        raise guard_error(exc) from exc
     if not isinstance(value, dict):
         raise RelayError(400, "invalid_request", "request body must be a JSON object")
     return value
+
+
+def guard_error(exc: "jsonguard.JSONGuardError", *, prefix: str = "") -> RelayError:
+    """A 400 in the relay's envelope for a value relay.jsonguard refused; `param` names the field."""
+    param = (prefix + exc.path) or None
+    if exc.code == "invalid_json":
+        return RelayError(400, "invalid_json", f"request body is not valid JSON: {exc.message}", param=param)
+    return RelayError(400, exc.code, f"invalid request body: {exc.message}", param=param)

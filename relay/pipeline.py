@@ -18,10 +18,11 @@ from django.utils import timezone
 
 from policies import breaker, keypool, provider_limits, ratelimit
 from policies.breaker import Failure
-from relay import adapters, routing, upstream
+from relay import adapters, routing, scrub, upstream
 from relay.auth import Principal
 from relay.crypto import SecretUnavailable, sha256_hex
 from relay.errors import RelayError
+from relay.retry_after import header_seconds, parse_retry_after
 from usage.pricing import cost_nano_usd
 from usage.tokens import Tokens, parse_usage
 
@@ -95,6 +96,7 @@ def _dispatch(call: Call, ctx: dict, started: float) -> Outcome:
     ctx["route"] = route
     path = _check_shape(call, route)
     body = dict(call.body, model=route.binding.upstream_name)
+    body.pop("openrelay", None)  # relay-owned (tool config, …): never sent to a provider (issue 12)
     payload = json.dumps(body).encode()
 
     try:
@@ -229,6 +231,7 @@ def _candidates(keys) -> list[_Candidate]:
             value = key.get_value()
         except SecretUnavailable:
             continue  # a key whose secret cannot be read is skipped, never sent
+        scrub.remember(value)  # a provider echoing it back gets it scrubbed (relay.scrub)
         out.append(_Candidate(key, value, sha256_hex(value)[:12]))
     return out
 
@@ -271,11 +274,7 @@ def _classify(status: int) -> Failure | None:
 
 
 def _retry_after(resp: upstream.UpstreamResponse) -> float | None:
-    value = {k.lower(): v for k, v in resp.headers.items()}.get("retry-after")
-    try:
-        return float(value) if value is not None else None
-    except ValueError:
-        return None
+    return parse_retry_after({k.lower(): v for k, v in resp.headers.items()}.get("retry-after"))
 
 
 MAX_RETRY_AFTER_S = 3600
@@ -290,7 +289,7 @@ def _capped(seconds: float | None) -> float | None:
 
 def _passthrough_retry(resp: upstream.UpstreamResponse) -> dict:
     seconds = _retry_after(resp)
-    return {"Retry-After": max(1, int(seconds + 0.999))} if seconds is not None else {}
+    return {"Retry-After": header_seconds(seconds)} if seconds is not None else {}
 
 
 def _content_type(resp: upstream.UpstreamResponse) -> dict:
@@ -338,6 +337,8 @@ def _finish(
     error_message: str = "",
 ) -> Outcome:
     route: routing.Route | None = ctx["route"]
+    # No host key leaves (issue 12): every pool key of the route was decrypted (and remembered) above.
+    body, headers = scrub.scrub_bytes(body, load=False), scrub.scrub_headers(headers, load=False)
     tokens = tokens or Tokens()
     p = call.principal
     key = ctx["host_key"]
@@ -349,7 +350,7 @@ def _finish(
         "duration_ms": int((time.monotonic() - started) * 1000),
         "attempts": ctx["attempts"],
         "error_kind": error_kind,
-        "error_message": (error.message if error else error_message)[:500],
+        "error_message": scrub.scrub_text(error.message if error else error_message, load=False)[:500],
         **p.usage_attribution(),
         "policy": route.policy.name if route else "",
         "model": route.model.name if route else str(call.body.get("model", ""))[:200],

@@ -64,6 +64,8 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    # First: request id, URL/query/Content-Length/chunked checks, JSON errors (issue 12).
+    "relay.edge.EdgeMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -169,6 +171,14 @@ SPECTACULAR_SETTINGS = {
 # --- Relay ---------------------------------------------------------------
 MiB = 1024 * 1024
 RELAY_MAX_REQUEST_BYTES = env.int("RELAY_MAX_REQUEST_BYTES", default=32 * MiB)
+# The edge (relay.edge, issue 12): longest URL (path + query) accepted, else 414; how long a
+# request body may take to arrive: RELAY_BODY_READ_SECONDS plus one second per
+# RELAY_BODY_MIN_RATE bytes declared, with at most RELAY_BODY_IDLE_SECONDS between two
+# reads (else 408) — so a slow client cannot hold a server thread.
+RELAY_MAX_URL_CHARS = env.int("RELAY_MAX_URL_CHARS", default=4096)
+RELAY_BODY_READ_SECONDS = env.float("RELAY_BODY_READ_SECONDS", default=30.0)
+RELAY_BODY_MIN_RATE = env.int("RELAY_BODY_MIN_RATE", default=64 * 1024)
+RELAY_BODY_IDLE_SECONDS = env.float("RELAY_BODY_IDLE_SECONDS", default=15.0)
 RELAY_BATCH_MAX_ITEMS = env.int("RELAY_BATCH_MAX_ITEMS", default=50_000)
 RELAY_BATCH_PAYLOAD_DIR = env.str("RELAY_BATCH_PAYLOAD_DIR", default="relay-batch-payloads")
 # Rotation grace is capped like the product's keyRotateMaxGrace.
@@ -201,7 +211,9 @@ LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
-    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    # No known host-key value reaches a log line (relay.scrub).
+    "filters": {"scrub": {"()": "relay.scrub.ScrubFilter"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain", "filters": ["scrub"]}},
     "root": {"handlers": ["console"], "level": env.str("LOG_LEVEL", default="INFO")},
 }
 

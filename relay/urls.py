@@ -24,3 +24,9 @@ urlpatterns = [
     path("", include("batches.urls")),
     *inference_urls(),
 ]
+
+# Errors of API paths in the product's JSON envelope; the admin keeps Django's pages (relay.edge).
+handler400 = "relay.edge.bad_request"
+handler403 = "relay.edge.permission_denied"
+handler404 = "relay.edge.page_not_found"
+handler500 = "relay.edge.server_error"

@@ -121,8 +121,10 @@ class BatchResultsView(_SurfaceView):
 class BatchCancelView(_SurfaceView):
     def post(self, request, batch_id):
         if not self.openai_errors:
-            services.cancel(selectors.batch_for_owner(batch_id, request.user))
-            return JsonResponse({"status": "cancelled"})
+            batch = selectors.batch_for_owner(batch_id, request.user)
+            services.cancel(batch)
+            batch.refresh_from_db(fields=["status"])  # a finished batch keeps (and answers) its own status
+            return JsonResponse({"status": batch.status})
         batch = selectors.openai_batch_for_owner(batch_id, request.user)
         if not services.cancel(batch):
             raise invalid(f"Cannot cancel a batch with status '{batch.status}'.", code="batch_not_cancellable")
@@ -157,8 +159,8 @@ class FileContentView(_SurfaceView):
         chunks = storage.iter_file(file.ref)
         try:
             first = next(chunks, b"")  # a missing payload is an error answer, not a cut-off download
-        except storage.PayloadMissing as exc:
-            raise OpenAIError(500, "file_content_unavailable", f"The file's content could not be read: {exc}") from exc
+        except storage.PayloadMissing as exc:  # deleted while we read it: gone, like a deleted file (issue 12)
+            raise OpenAIError(404, None, f"No such File object: {file_id}") from exc
         response = StreamingHttpResponse(itertools.chain([first], chunks), content_type="application/octet-stream")
         response["Content-Length"] = str(file.bytes)
         response["Content-Disposition"] = content_disposition_header(True, file.filename)

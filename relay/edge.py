@@ -1,0 +1,303 @@
+"""The edge: what every request passes before any view reads it (issue 12).
+
+EdgeMiddleware (first in settings.MIDDLEWARE):
+
+- gives the request an id (`request.relay_request_id`, answered as
+  `X-Relay-Request-ID` on every error) used in the log line of an unexpected
+  exception;
+- refuses a URL longer than RELAY_MAX_URL_CHARS (414), a path or query
+  parameter holding a NUL character or a lone surrogate (400, naming the
+  parameter), a malformed Content-Length (400) and a declared Content-Length
+  over the route's limit (413) — before a byte of the body is read;
+- reads a chunked body (`Transfer-Encoding: chunked`, no Content-Length) into a
+  spool, within the same limit, when the server has de-chunked it (gunicorn
+  does); otherwise answers 411;
+- bounds how long a body may take to arrive (RELAY_BODY_READ_SECONDS plus
+  1 s per RELAY_BODY_MIN_RATE bytes declared, at most RELAY_BODY_IDLE_SECONDS
+  between two reads): a client that sends headers and a few bytes cannot hold
+  a server thread for longer (408);
+- answers any error of an API path (everything but /admin/) as JSON in the
+  product's envelope: OpenAI's shape on the OpenAI surface (`/v1/batches`,
+  `/v1/files`), the relay's elsewhere. An unexpected exception is logged with
+  the request id and answered 500 without internals.
+
+JSON bodies are checked once, where they are parsed: relay.http.parse_json_object
+(live routes) and batches.ingest (POST /v1/batches), both through relay.jsonguard.
+"""
+
+import logging
+import tempfile
+import time
+
+import uuid6
+from django.conf import settings
+from django.core.handlers.wsgi import LimitedStream
+from django.http import HttpResponse
+from django.views import defaults
+
+from relay.errors import RelayError
+
+log = logging.getLogger("relay.edge")
+
+_CHUNK = 64 * 1024
+_SPOOL_MEMORY = 1024 * 1024
+# Multipart framing and the small form fields around an upload's file part.
+_MULTIPART_OVERHEAD = 1024 * 1024
+_OPENAI_SURFACE = ("/v1/batches", "/v1/files")
+
+_REASONS = {
+    400: ("invalid_request", "bad request"),
+    401: ("unauthenticated", "authentication required"),
+    403: ("forbidden", "forbidden"),
+    404: ("not_found", "not found"),
+    405: ("method_not_allowed", "method not allowed"),
+    408: ("request_timeout", "the request body did not arrive in time"),
+    411: ("length_required", "length required"),
+    413: ("request_too_large", "request body too large"),
+    414: ("uri_too_long", "request URL too long"),
+    415: ("unsupported_media_type", "unsupported media type"),
+    500: ("internal_error", "internal server error"),
+}
+
+
+def is_api_path(path: str) -> bool:
+    return not path.startswith("/admin/") and not path.startswith("/static/")
+
+
+def error_response(request, status: int, code: str, message: str, *, param: str | None = None) -> HttpResponse:
+    """An error in the envelope of the surface the path belongs to."""
+    path = getattr(request, "path", "") or ""
+    if path.startswith(_OPENAI_SURFACE):
+        from batches.errors import OpenAIError
+
+        err = OpenAIError(status, code, message, param=param)
+    else:
+        err = RelayError(status, code, message, param=param)
+    return _finish(request, err.response())
+
+
+def _finish(request, response: HttpResponse) -> HttpResponse:
+    # Answered before CommonMiddleware: say where the body ends, so the connection need not close
+    # (a server that drains an unread body before closing would otherwise hold the answer back).
+    response["Content-Length"] = str(len(response.content))
+    rid = getattr(request, "relay_request_id", None)
+    if rid:
+        response["X-Relay-Request-ID"] = rid
+    return response
+
+
+def _bad_text(text: str) -> str | None:
+    if "\x00" in text:
+        return "a NUL character"
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return "a lone surrogate"
+    return None
+
+
+def body_limit(path: str) -> int:
+    if path.rstrip("/") == "/v1/files":
+        return settings.RELAY_MAX_UPLOAD_BYTES + _MULTIPART_OVERHEAD
+    return settings.RELAY_MAX_REQUEST_BYTES
+
+
+class BodyTimeout(RelayError):
+    def __init__(self, seconds: float):
+        super().__init__(408, "request_timeout", f"the request body did not arrive within {seconds:g} seconds")
+
+
+class _DeadlineInput:
+    """wsgi.input with a deadline for the whole body and an idle limit between reads."""
+
+    def __init__(self, raw, sock, budget: float):
+        self.raw, self.sock, self.budget = raw, sock, budget
+        self.deadline = time.monotonic() + budget
+
+    def _arm(self) -> None:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise BodyTimeout(self.budget)
+        self.sock.settimeout(min(left, settings.RELAY_BODY_IDLE_SECONDS))
+
+    def read(self, *args):
+        self._arm()
+        try:
+            return self.raw.read(*args)
+        except TimeoutError as exc:
+            raise BodyTimeout(self.budget) from exc
+
+    def readline(self, *args):
+        self._arm()
+        try:
+            return self.raw.readline(*args)
+        except TimeoutError as exc:
+            raise BodyTimeout(self.budget) from exc
+
+
+class EdgeMiddleware:
+    def __init__(self, get_response):
+        self.get_response = get_response
+
+    def __call__(self, request):
+        request.relay_request_id = str(uuid6.uuid7())
+        sock = request.META.get("gunicorn.socket")
+        try:
+            refusal = self._refuse(request, sock)
+        except RelayError as exc:
+            refusal = error_response(request, exc.status, exc.code, exc.message, param=exc.param)
+        if refusal is not None:
+            return refusal
+        try:
+            response = self.get_response(request)
+        finally:
+            if sock is not None:
+                try:
+                    sock.settimeout(None)  # the answer is written without our body-read limits
+                except OSError:
+                    pass
+        spool = getattr(request, "_relay_spool", None)
+        if spool is not None:
+            response._resource_closers.append(spool.close)
+        if response.status_code >= 400 and is_api_path(request.path) and not _is_json(response):
+            code, message = _REASONS.get(response.status_code, ("error", "request failed"))
+            response = error_response(request, response.status_code, code, message)
+        elif response.status_code >= 400 and "X-Relay-Request-ID" not in response:
+            response["X-Relay-Request-ID"] = request.relay_request_id
+        return response
+
+    def process_exception(self, request, exception):
+        if isinstance(exception, RelayError) and is_api_path(request.path):
+            return error_response(request, exception.status, exception.code, exception.message, param=exception.param)
+        if not is_api_path(request.path):
+            return None  # the admin keeps Django's own handling
+        log.error(
+            "unhandled %s on %s %s (request id %s)",
+            type(exception).__name__,
+            request.method,
+            request.path[:200],
+            request.relay_request_id,
+            exc_info=exception,
+        )
+        return server_error_response(request)
+
+    # --- checks ---------------------------------------------------------------------------
+
+    def _refuse(self, request, sock) -> HttpResponse | None:
+        meta = request.META
+        raw_path = request.path
+        if len(raw_path) + len(meta.get("QUERY_STRING", "")) > settings.RELAY_MAX_URL_CHARS:
+            return error_response(
+                request, 414, "uri_too_long", f"request URL is longer than {settings.RELAY_MAX_URL_CHARS} characters"
+            )
+        problem = _bad_text(raw_path)
+        if problem:
+            return error_response(request, 400, "invalid_path", f"the request path contains {problem}")
+        for name, values in request.GET.lists():
+            for text in (name, *values):
+                problem = _bad_text(text)
+                if problem:
+                    shown = name.encode("utf-8", "backslashreplace").decode().replace("\x00", "\\u0000")
+                    return error_response(
+                        request,
+                        400,
+                        "invalid_query_parameter",
+                        f"query parameter {shown!r} contains {problem}",
+                        param=shown,
+                    )
+        limit = body_limit(raw_path)
+        declared = meta.get("CONTENT_LENGTH") or ""
+        chunked = "chunked" in meta.get("HTTP_TRANSFER_ENCODING", "").lower()
+        if declared:
+            if not declared.strip().isdigit():
+                return error_response(request, 400, "invalid_content_length", "Content-Length must be a whole number")
+            if int(declared) > limit:
+                return _too_large(request, limit)
+        elif meta.get("HTTP_TRANSFER_ENCODING"):
+            if not chunked or not meta.get("wsgi.input_terminated"):
+                return error_response(
+                    request,
+                    411,
+                    "length_required",
+                    "send the body with a Content-Length header (this server cannot read it otherwise)",
+                )
+        size = int(declared) if declared else (limit if chunked else 0)
+        if sock is not None and size:
+            budget = settings.RELAY_BODY_READ_SECONDS + size / settings.RELAY_BODY_MIN_RATE
+            # A chunked body may run one byte past the limit, so the spool below can tell "too large".
+            request._stream = LimitedStream(_DeadlineInput(meta["wsgi.input"], sock, budget), size + (not declared))
+            meta["wsgi.input"] = request._stream
+        if chunked and not declared:
+            return self._spool_chunked(request, limit)
+        return None
+
+    def _spool_chunked(self, request, limit: int) -> HttpResponse | None:
+        """Read a de-chunked body (gunicorn sets wsgi.input_terminated) into a spool, within `limit`."""
+        source = request._stream if request.META.get("gunicorn.socket") else request.META["wsgi.input"]
+        spool = tempfile.SpooledTemporaryFile(max_size=_SPOOL_MEMORY)  # noqa: SIM115 - closed with the response
+        size = 0
+        try:
+            while chunk := source.read(_CHUNK):
+                size += len(chunk)
+                if size > limit:
+                    spool.close()
+                    return _too_large(request, limit)
+                spool.write(chunk)
+        except BaseException:
+            spool.close()
+            raise
+        spool.seek(0)
+        request._stream = LimitedStream(spool, size)
+        request.META["wsgi.input"] = spool
+        request.META["CONTENT_LENGTH"] = str(size)
+        request._relay_spool = spool
+        return None
+
+
+def _too_large(request, limit: int) -> HttpResponse:
+    if request.path.rstrip("/") == "/v1/files":  # the upload's own answer (batches.files.too_large)
+        from batches.files import too_large
+
+        return _finish(request, too_large(settings.RELAY_MAX_UPLOAD_BYTES).response())
+    return error_response(request, 413, "request_too_large", f"request body exceeds {limit} bytes")
+
+
+def _is_json(response) -> bool:
+    return response.get("Content-Type", "").startswith("application/json")
+
+
+def server_error_response(request) -> HttpResponse:
+    rid = getattr(request, "relay_request_id", "") or ""
+    return error_response(
+        request, 500, "internal_error", f"internal server error; quote request id {rid} to the operator".strip()
+    )
+
+
+# --- handlers (relay.urls: handler400/403/404/500) ----------------------------------------------
+
+
+def bad_request(request, exception=None):
+    if not is_api_path(request.path):
+        return defaults.bad_request(request, exception)
+    return error_response(request, 400, "invalid_request", "bad request")
+
+
+def permission_denied(request, exception=None):
+    if not is_api_path(request.path):
+        return defaults.permission_denied(request, exception)
+    return error_response(request, 403, "forbidden", "forbidden")
+
+
+def page_not_found(request, exception=None):
+    if not is_api_path(request.path):
+        return defaults.page_not_found(request, exception)
+    return error_response(request, 404, "not_found", f"no route for {request.method} {request.path[:200]}")
+
+
+def server_error(request):
+    if not is_api_path(request.path):
+        return defaults.server_error(request)
+    if not hasattr(request, "relay_request_id"):
+        request.relay_request_id = str(uuid6.uuid7())
+    log.error("internal server error on %s (request id %s)", request.path[:200], request.relay_request_id)
+    return server_error_response(request)

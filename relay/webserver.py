@@ -1,0 +1,61 @@
+"""How the API's gunicorn runs, in embedded mode and in the full stack (issue 12).
+
+`gthread` workers: gunicorn 27 parks a connection whose request has not
+arrived in its poller (no thread held), and relay.edge bounds how long a
+request *body* may take (RELAY_BODY_READ_SECONDS + size/RELAY_BODY_MIN_RATE,
+RELAY_BODY_IDLE_SECONDS between reads). A slow client therefore holds one
+thread for at most that long; with THREADS threads per worker, 16 slow
+connections leave most threads free and /healthz answers. In the full stack
+nginx (deploy/nginx.conf) buffers whole requests first, so gunicorn never sees
+a slow client at all.
+
+`python -m relay.webserver --bind 0.0.0.0:8080` runs it (compose.yaml, Dockerfile).
+"""
+
+import os
+import sys
+
+WORKERS = 2
+THREADS = 32
+# gunicorn's hard maximum; relay.edge answers a URL over RELAY_MAX_URL_CHARS with a JSON 414 first.
+LIMIT_REQUEST_LINE = 8190
+
+
+def gunicorn_argv(python: str, bind: str, *, access_log: bool = True) -> list[str]:
+    argv = [
+        python,
+        "-m",
+        "gunicorn",
+        "relay.wsgi",
+        "-b",
+        bind,
+        "--worker-class",
+        "gthread",
+        "--workers",
+        str(WORKERS),
+        "--threads",
+        str(THREADS),
+        "--timeout",
+        "120",
+        "--keep-alive",
+        "5",
+        "--limit-request-line",
+        str(LIMIT_REQUEST_LINE),
+    ]
+    if access_log:
+        argv += ["--access-logfile", "-"]
+    return argv
+
+
+def main() -> None:  # pragma: no cover - compose.yaml and the Dockerfile run it
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--bind", default="0.0.0.0:8080")
+    args = parser.parse_args()
+    argv = gunicorn_argv(sys.executable, args.bind)
+    os.execv(sys.executable, argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""Slow and odd clients against the real web server of embedded mode (issue 12).
+
+gunicorn is started with relay.webserver.gunicorn_argv — the argv embedded mode
+uses — against the test database. Every wait is bounded and every socket and
+process is closed by the test itself.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+import requests
+
+from relay.webserver import gunicorn_argv
+from tests.workers import ROOT, database_url, wait_for
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+SLOW_CONNECTIONS = 16
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def web(django_db_setup, django_db_blocker):
+    from django.db import connection
+
+    port = _free_port()
+    env = dict(
+        os.environ,
+        DATABASE_URL=database_url(connection.settings_dict),
+        # Short body-read limits so the test sees a slow body refused (408) in seconds.
+        RELAY_BODY_READ_SECONDS="3",
+        RELAY_BODY_IDLE_SECONDS="2",
+    )
+    proc = subprocess.Popen(
+        gunicorn_argv(sys.executable, f"127.0.0.1:{port}", access_log=False),
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+
+    def up():
+        try:
+            return requests.get(url + "/healthz", timeout=2).status_code == 200
+        except requests.RequestException:
+            return False
+
+    try:
+        wait_for(up, 60, interval=0.3, what="gunicorn to answer /healthz")
+        yield url, port
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+
+def _slow_connection(port: int, key: str, path: str = "/v1/chat/completions") -> socket.socket:
+    """Headers, then a few bytes of a body that claims to be 1000 bytes long; then nothing."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    s.sendall(
+        f"POST {path} HTTP/1.1\r\nHost: relay\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {key}\r\nContent-Length: 1000\r\n\r\n".encode()
+        + b'{"mo'
+    )
+    return s
+
+
+def _read_answer(s: socket.socket) -> bytes:
+    """Until the JSON body has arrived or the server closes; each recv bounded by the socket timeout."""
+    answer = b""
+    while not (b"\r\n\r\n" in answer and answer.rstrip().endswith(b"}")):
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        answer += chunk
+    return answer
+
+
+def test_healthz_answers_while_16_slow_clients_hold_connections(web, catalog):
+    url, port = web
+    slow = []
+    try:
+        # A valid key: each of these requests reaches the view, which waits for the body.
+        slow = [_slow_connection(port, catalog.key) for _ in range(SLOW_CONNECTIONS)]
+        for _ in range(3):
+            assert requests.get(url + "/healthz", timeout=20).status_code == 200
+        assert requests.get(url + "/v1/models", timeout=20).status_code == 401  # the API too, not only health
+    finally:
+        for s in slow:
+            s.close()
+
+
+def test_a_body_that_never_arrives_is_answered_408_and_the_thread_freed(web, catalog):
+    _, port = web
+    s = _slow_connection(port, catalog.key)
+    try:
+        s.settimeout(30)  # bound: the relay gives up on the body after RELAY_BODY_READ_SECONDS (3 s here)
+        answer = _read_answer(s)
+    finally:
+        s.close()
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:300]
+    assert b'"request_timeout"' in answer
+
+
+def test_declared_oversize_body_is_refused_before_it_is_sent(web):
+    _, port = web
+    for path in ("/v1/batches", "/v1/chat/completions", "/v1/files"):
+        s = socket.create_connection(("127.0.0.1", port), timeout=30)
+        try:
+            s.sendall(
+                f"POST {path} HTTP/1.1\r\nHost: relay\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {10**12}\r\n\r\n".encode()
+            )
+            answer = _read_answer(s)
+        finally:
+            s.close()
+        assert answer.startswith(b"HTTP/1.1 413"), (path, answer[:200])
+        assert b'"error"' in answer
+
+
+def test_chunked_body_is_read_through_gunicorn(web, catalog, fake):
+    url, _ = web
+    body = json.dumps({"model": "gpt-4o", "messages": [{"role": "user", "content": "sent in chunks"}]}).encode()
+
+    def chunks():
+        for i in range(0, len(body), 7):
+            yield body[i : i + 7]
+
+    resp = requests.post(
+        url + "/v1/chat/completions",
+        data=chunks(),  # requests sends a generator with Transfer-Encoding: chunked
+        headers={"Authorization": f"Bearer {catalog.key}", "Content-Type": "application/json"},
+        timeout=30,
+    )
+    assert resp.status_code == 200, resp.text
+    assert fake.received[-1]["body"]["messages"][0]["content"] == "sent in chunks"
