@@ -34,10 +34,16 @@ from relay.redis import get_redis
 # The longest window we believe a provider reports (OpenAI's daily request limits reset within a day).
 MAX_RESET_S = 24 * 3600
 
-# KEYS: quota. Returns 0 when a request may go, else the milliseconds until the window resets.
+# KEYS: quota, limit. ARGV: provisional window ms. Returns 0 when a request may go, else the ms until the
+# window resets. A window we have no word on yet starts from the key's last known limit, so the first
+# burst of a new window never exceeds it.
 _TAKE_LUA = """
 local left = redis.call('GET', KEYS[1])
-if not left then return 0 end
+if not left then
+  local limit = tonumber(redis.call('GET', KEYS[2]))
+  if limit and limit > 0 then redis.call('SET', KEYS[1], limit - 1, 'PX', ARGV[1]) end
+  return 0
+end
 if tonumber(left) > 0 then
   redis.call('DECR', KEYS[1])
   return 0
@@ -47,17 +53,24 @@ if ttl < 1 then return 1 end
 return ttl
 """
 
-# KEYS: quota. ARGV: remaining, reset ms. Within a window keep the lower count; a new window starts fresh.
+# KEYS: quota, limit. ARGV: remaining, reset ms, limit ('' if not sent), limit TTL s.
+# Within a window keep the lower count (answers to requests in flight can be stale), and let the
+# window end when the provider says it resets.
 _LEARN_LUA = """
+if ARGV[3] ~= '' then redis.call('SET', KEYS[2], ARGV[3], 'EX', ARGV[4]) end
 local left = redis.call('GET', KEYS[1])
 local remaining = tonumber(ARGV[1])
-if left and redis.call('PTTL', KEYS[1]) > 0 then
-  if remaining < tonumber(left) then redis.call('SET', KEYS[1], remaining, 'KEEPTTL') end
+if left then
+  if remaining < tonumber(left) then left = remaining end
+  redis.call('SET', KEYS[1], left, 'PX', ARGV[2])
   return 0
 end
 redis.call('SET', KEYS[1], remaining, 'PX', ARGV[2])
 return 1
 """
+# How long a key's reported limit is remembered, and the window assumed until the provider's first answer.
+LIMIT_TTL_S = 3600
+PROVISIONAL_WINDOW_MS = 1000
 
 _DURATION = re.compile(r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m(?!s))?(?:(\d+(?:\.\d+)?)s)?(?:(\d+(?:\.\d+)?)ms)?")
 
@@ -67,8 +80,9 @@ def _script(client: redis.Redis, source: str) -> Script:
     return client.register_script(source)
 
 
-def _key(key_hash: str) -> str:
-    return f"relay:quota:{{{key_hash}}}"
+def _keys(key_hash: str) -> list[str]:
+    quota = f"relay:quota:{{{key_hash}}}"
+    return [quota, f"{quota}:limit"]
 
 
 def parse_reset(value: str) -> float | None:
@@ -93,27 +107,35 @@ def parse_reset(value: str) -> float | None:
     return min(seconds, MAX_RESET_S)
 
 
-def quota_from(headers: dict) -> tuple[int, float] | None:
-    """(requests remaining, seconds until the window resets) from a provider's response headers."""
+_HEADERS = (
+    ("x-ratelimit-remaining-requests", "x-ratelimit-reset-requests", "x-ratelimit-limit-requests"),
+    (
+        "anthropic-ratelimit-requests-remaining",
+        "anthropic-ratelimit-requests-reset",
+        "anthropic-ratelimit-requests-limit",
+    ),
+)
+
+
+def quota_from(headers: dict) -> tuple[int, float, int | None] | None:
+    """(requests remaining, seconds until the window resets, the window's limit if said) from a response."""
     lower = {str(k).lower(): str(v) for k, v in (headers or {}).items()}
-    for remaining_name, reset_name in (
-        ("x-ratelimit-remaining-requests", "x-ratelimit-reset-requests"),
-        ("anthropic-ratelimit-requests-remaining", "anthropic-ratelimit-requests-reset"),
-    ):
+    for remaining_name, reset_name, limit_name in _HEADERS:
         raw = lower.get(remaining_name, "").strip()
-        if not raw.isdigit():
+        if not raw.isdigit() or len(raw) > 12:
             continue
         reset = parse_reset(lower.get(reset_name, ""))
         if reset is None:
             continue
-        return int(raw), reset
+        limit = lower.get(limit_name, "").strip()
+        return int(raw), reset, int(limit) if limit.isdigit() and len(limit) <= 12 else None
     return None
 
 
 def take(key_hash: str) -> float:
     """Take one request of the key's learned quota: 0 when it may go, else seconds until the window resets."""
     client = get_redis()
-    wait_ms = int(_script(client, _TAKE_LUA)(keys=[_key(key_hash)], client=client))
+    wait_ms = int(_script(client, _TAKE_LUA)(keys=_keys(key_hash), args=[PROVISIONAL_WINDOW_MS], client=client))
     return wait_ms / 1000
 
 
@@ -122,10 +144,11 @@ def learn(key_hash: str, headers: dict) -> None:
     quota = quota_from(headers)
     if quota is None:
         return
-    remaining, reset = quota
+    remaining, reset, limit = quota
     client = get_redis()
-    _script(client, _LEARN_LUA)(keys=[_key(key_hash)], args=[remaining, max(1, math.ceil(reset * 1000))], client=client)
+    args = [remaining, max(1, math.ceil(reset * 1000)), "" if limit is None else limit, LIMIT_TTL_S]
+    _script(client, _LEARN_LUA)(keys=_keys(key_hash), args=args, client=client)
 
 
 def forget(key_hash: str) -> None:
-    get_redis().delete(_key(key_hash))
+    get_redis().delete(*_keys(key_hash))

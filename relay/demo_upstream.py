@@ -145,6 +145,13 @@ class DemoUpstream(ThreadingHTTPServer):
         self.received: list[dict] = []
         self.in_flight = 0
         self.max_in_flight = 0
+        # Provider-style rate limiting (tests): requests per second per API key, fixed 1 s windows.
+        self.rate_per_key: int | None = None
+        self.rate_window = 1.0
+        self.rate_windows: dict[str, tuple[int, int]] = {}
+        self.rate_stats = {"ok": 0, "limited": 0}
+        # Standing answers (tests): a request whose body contains the text always gets the reply.
+        self.rules: list[tuple[str, Reply]] = []
         self.stopping = threading.Event()
         self._thread = None
 
@@ -162,6 +169,58 @@ class DemoUpstream(ThreadingHTTPServer):
             self.scripts.clear()
             self.received.clear()
             self.max_in_flight = self.in_flight
+            self.rate_per_key = None
+            self.rate_windows.clear()
+            self.rate_stats = {"ok": 0, "limited": 0}
+            self.rules.clear()
+
+    def answer_when(self, text: str, reply: Reply) -> None:
+        """Every request whose raw body contains `text` gets `reply` (e.g. an item that always fails)."""
+        with self.lock:
+            self.rules.append((text, reply))
+
+    def rule_for(self, raw: bytes) -> Reply | None:
+        with self.lock:
+            for text, reply in self.rules:
+                if text.encode() in raw:
+                    return reply
+        return None
+
+    def limit_rate(self, per_window: int | None, window: float = 1.0) -> None:
+        """Enforce `per_window` requests per API key per fixed `window` seconds like a provider: 429 with
+        Retry-After beyond it, and OpenAI's x-ratelimit-* headers on every answer. None turns it off."""
+        with self.lock:
+            self.rate_per_key = per_window
+            self.rate_window = window
+            self.rate_windows.clear()
+            self.rate_stats = {"ok": 0, "limited": 0}
+
+    def rate_decision(self, key: str) -> tuple[bool, dict]:
+        """(allowed, headers) for one request under the rate limit; (True, {}) when there is none."""
+        now = time.time()
+        with self.lock:
+            limit = self.rate_per_key
+            if limit is None:
+                return True, {}
+            size = self.rate_window
+            window = int(now // size)
+            start, count = self.rate_windows.get(key, (window, 0))
+            if start != window:
+                count = 0
+            allowed = count < limit
+            if allowed:
+                count += 1
+            self.rate_windows[key] = (window, count)
+            self.rate_stats["ok" if allowed else "limited"] += 1
+        reset_ms = max(1, int(((window + 1) * size - now) * 1000))
+        headers = {
+            "x-ratelimit-limit-requests": limit,
+            "x-ratelimit-remaining-requests": limit - count,
+            "x-ratelimit-reset-requests": f"{reset_ms}ms",
+        }
+        if not allowed:
+            headers["Retry-After"] = max(1, -(-reset_ms // 1000))
+        return allowed, headers
 
     def next_reply(self, key: str) -> Reply:
         with self.lock:
@@ -206,13 +265,28 @@ class _Handler(BaseHTTPRequestHandler):
             srv.in_flight += 1
             srv.max_in_flight = max(srv.max_in_flight, srv.in_flight)
         try:
-            self._answer(srv, key, body)
+            self._answer(srv, key, body, raw)
         finally:
             with srv.lock:
                 srv.in_flight -= 1
 
-    def _answer(self, srv: DemoUpstream, key: str, body: dict):
-        reply = srv.next_reply(key)
+    def _answer(self, srv: DemoUpstream, key: str, body: dict, raw: bytes = b""):
+        allowed, limit_headers = srv.rate_decision(key)
+        if not allowed:
+            reply = Reply(
+                status=429,
+                body={
+                    "error": {
+                        "message": "Rate limit reached for requests",
+                        "type": "requests",
+                        "code": "rate_limit_exceeded",
+                    }
+                },
+                headers=limit_headers,
+            )
+        else:
+            reply = srv.rule_for(raw) or srv.next_reply(key)
+            reply = Reply(**{**reply.__dict__, "headers": {**limit_headers, **reply.headers}})
         if reply.hang:
             srv.stopping.wait(600)
             return
