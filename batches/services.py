@@ -377,6 +377,7 @@ def _execute(batch: Batch, item: Item, principal, deadline: float, hb: Heartbeat
                 batch_id=str(batch.id),
                 required_adapter=batch.inbound_shape,
                 policy=policy,
+                failover_on_server_error=not batch.retry_transient,
             )
         )
 

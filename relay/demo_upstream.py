@@ -151,7 +151,7 @@ class DemoUpstream(ThreadingHTTPServer):
         self.rate_windows: dict[str, tuple[int, int]] = {}
         self.rate_stats = {"ok": 0, "limited": 0}
         # Standing answers (tests): a request whose body contains the text always gets the reply.
-        self.rules: list[tuple[str, Reply]] = []
+        self.rules: list[list] = []  # [text, reply, times left (None: always)]
         self.stopping = threading.Event()
         self._thread = None
 
@@ -174,15 +174,18 @@ class DemoUpstream(ThreadingHTTPServer):
             self.rate_stats = {"ok": 0, "limited": 0}
             self.rules.clear()
 
-    def answer_when(self, text: str, reply: Reply) -> None:
-        """Every request whose raw body contains `text` gets `reply` (e.g. an item that always fails)."""
+    def answer_when(self, text: str, reply: Reply, times: int | None = None) -> None:
+        """Requests whose raw body contains `text` get `reply`: every one, or the next `times` of them."""
         with self.lock:
-            self.rules.append((text, reply))
+            self.rules.append([text, reply, times])
 
     def rule_for(self, raw: bytes) -> Reply | None:
         with self.lock:
-            for text, reply in self.rules:
-                if text.encode() in raw:
+            for rule in self.rules:
+                text, reply, left = rule
+                if text.encode() in raw and left != 0:
+                    if left is not None:
+                        rule[2] = left - 1
                     return reply
         return None
 

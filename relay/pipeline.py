@@ -45,6 +45,11 @@ class Call:
     required_adapter: str | None = None
     # The governing policy when the caller has loaded it already (a batch item checks it first).
     policy: object | None = None
+    # Fail over to the next key when one answers 5xx. A batch item that retries transient failures
+    # itself turns this off: its retry comes after a backoff, and one bad request no longer benches
+    # every key of the pool in one go. (401/403/429 and network errors, which are about the key,
+    # always fail over.)
+    failover_on_server_error: bool = True
 
 
 @dataclass
@@ -180,6 +185,8 @@ def _dispatch(call: Call, ctx: dict, started: float) -> Outcome:
                 breaker.record_success(cand.key_hash)
                 break
             breaker.record_failure(cand.key_hash, failure, _retry_after(resp))
+            if failure is Failure.SERVER and not call.failover_on_server_error:
+                break  # the caller retries later, with backoff, rather than spread one failure over every key
     finally:
         inbound.release()  # no-op after a commit
 

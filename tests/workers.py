@@ -42,7 +42,8 @@ class Worker:
         env = dict(os.environ, DATABASE_URL=db_url, **TEST_BATCH_ENV, **(extra_env or {}))
         self.logs, self.procs = {}, {}
         schedule = os.path.join(self.schedule, "beat")
-        for role, args in fleet(sys.executable, name, schedule=schedule, loglevel="WARNING"):
+        loglevel = os.environ.get("TEST_WORKER_LOGLEVEL", "WARNING")
+        for role, args in fleet(sys.executable, name, schedule=schedule, loglevel=loglevel):
             if role == "beat" and not beat:
                 continue
             if role != "beat":
