@@ -375,7 +375,9 @@ def _execute(batch: Batch, item: Item, principal, deadline: float, hb: Heartbeat
                 deadline=deadline,
                 cancel=hb.should_stop,
                 batch_id=str(batch.id),
-                required_adapter=batch.inbound_shape,
+                # Native items must match their shape's adapter (spec 000); an OpenAI or Anthropic record
+                # routes as the live call to its endpoint would (relay.adapters.PATH_ADAPTER).
+                required_adapter=batch.inbound_shape if batch.surface == Surface.NATIVE else None,
                 policy=policy,
             )
         )
