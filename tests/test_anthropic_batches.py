@@ -99,7 +99,7 @@ def test_sdk_create_retrieve_list_results_cancel_delete(client, catalog, fake, l
         wait_for(lambda: Item.objects.filter(batch_id=held_pk, state="running").count() == 3, 20, what="3 running")
         with pytest.raises(anthropic.BadRequestError) as exc:
             client.messages.batches.delete(held.id)  # only an ended batch can be deleted
-        assert exc.value.body["type"] == "invalid_request_error" or exc.value.status_code == 400
+        assert exc.value.body["error"]["type"] == "invalid_request_error" and "cancel it first" in str(exc.value)
         with pytest.raises(anthropic.AnthropicError, match="results_url"):
             client.messages.batches.results(held.id)  # the SDK's own check: no results before the end
         canceling = client.messages.batches.cancel(held.id)

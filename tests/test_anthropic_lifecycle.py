@@ -220,3 +220,20 @@ def test_admin_and_usage_api_show_the_surface(catalog, fake, django_user_model, 
     page = client.get(reverse("admin:batches_batch_change", args=[batch.pk])).content.decode()
     assert "Anthropic-compatible batch" in page
     assert client.get(reverse("admin:batches_batch_changelist"), {"surface__exact": "anthropic"}).status_code == 200
+
+
+@in_process
+def test_the_transition_table_and_constraints_speak_the_anthropic_vocabulary(catalog):
+    from django.db import IntegrityError, transaction
+
+    from batches import lifecycle
+    from batches.models import ANTHROPIC_STATUSES
+
+    table = lifecycle.TRANSITIONS["anthropic"]
+    assert set(table) == set(ANTHROPIC_STATUSES) and all(t <= set(ANTHROPIC_STATUSES) for t in table.values())
+    with pytest.raises(lifecycle.IllegalTransition):
+        lifecycle.sources("anthropic", "finalizing")
+    batch = create(catalog, [req("a")])
+    for status, fields in (("validating", {}), ("completed", {}), ("expired", {"completed_at": timezone.now()})):
+        with pytest.raises(IntegrityError), transaction.atomic():  # a tested escape of lifecycle, to hit the CHECKs
+            Batch.objects.filter(pk=batch.pk).update(status=status, **fields)
