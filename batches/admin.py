@@ -2,7 +2,9 @@
 
 OpenAI-surface batches show their own fields too: the batch_… id, endpoint,
 input/output/error files (linked), metadata, validation errors, and each
-item's custom_id. Files of that surface have their own read-only pages.
+item's custom_id; Anthropic-surface batches their msgbatch_… id, expiry and
+cancel times. The `surface` column and filter say where each batch came from.
+Files of the OpenAI surface have their own read-only pages.
 """
 
 import contextlib
@@ -13,7 +15,7 @@ from django.db.models import Count, Q
 from django.urls import reverse
 from django.utils.html import format_html, format_html_join
 
-from batches import selectors, services, storage
+from batches import anthropic_batches, selectors, services, storage
 from batches.models import Attempt, Batch, File, Item, ItemState, Surface
 from relay.admin_base import ViewOnlyAdmin
 
@@ -147,6 +149,8 @@ class BatchAdmin(ViewOnlyAdmin):
         "discount_percent",
         "idempotency_key",
     )
+    # completed_at is the message batch's ended_at; cancelling_at its cancel_initiated_at.
+    _anthropic_fields = ("shown_id", "expires_at", "expired_at", "cancelling_at", "discount_percent")
     readonly_fields = [f.name for f in Batch._meta.fields] + [
         "progress",
         "items_link",
@@ -188,10 +192,16 @@ class BatchAdmin(ViewOnlyAdmin):
         sets = [(None, {"fields": common}), ("Waiting and retrying", {"fields": retry})]
         if obj is not None and obj.surface == Surface.OPENAI:
             sets.append(("OpenAI-compatible batch", {"fields": self._openai_fields}))
+        if obj is not None and obj.surface == Surface.ANTHROPIC:
+            sets.append(("Anthropic-compatible batch (Message Batches)", {"fields": self._anthropic_fields}))
         sets.append(("Owner", {"fields": owner}))
         return sets
 
     def get_search_results(self, request, queryset, search_term):
+        term = search_term.strip()
+        if term.startswith("msgbatch_"):
+            pk = anthropic_batches.parse_id(term)
+            return (queryset.filter(pk=pk) if pk is not None else queryset.none()), False
         found = _search_public_id(queryset, search_term, "batch_")
         if found is not None:
             return found, False

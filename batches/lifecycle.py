@@ -16,6 +16,11 @@ OpenAI-surface batch (spec 003)::
         ├──────────┴──window closed──┘
         └──────────┴──cancel──▶ cancelling ──▶ cancelled
 
+Anthropic-surface batch (Message Batches)::
+
+    in_progress ──last item final──▶ completed | expired   (expired once the window closed: expired_at)
+        └──cancel──▶ cancelling ──last item final──▶ cancelled
+
 Item::
 
     available ──claim──▶ running ──finish──▶ completed | discarded | cancelled
@@ -45,6 +50,7 @@ from django.db.models import Exists, F, OuterRef, Q
 from django.utils import timezone
 
 from batches.models import (
+    ANTHROPIC_STATUS_STAMP,
     CLAIMABLE_STATUSES,
     OPENAI_STATUS_STAMP,
     PENDING_STATES,
@@ -85,7 +91,19 @@ OPENAI_TRANSITIONS: dict[str, frozenset] = {
     S.EXPIRED: frozenset(),
     S.CANCELLED: frozenset(),
 }
-TRANSITIONS = {Surface.NATIVE: NATIVE_TRANSITIONS, Surface.OPENAI: OPENAI_TRANSITIONS}
+# No validation or finalizing step: items are stored at create and results are read from them.
+ANTHROPIC_TRANSITIONS: dict[str, frozenset] = {
+    S.IN_PROGRESS: frozenset({S.COMPLETED, S.EXPIRED, S.CANCELLING}),
+    S.CANCELLING: frozenset({S.CANCELLED}),
+    S.COMPLETED: frozenset(),
+    S.EXPIRED: frozenset(),
+    S.CANCELLED: frozenset(),
+}
+TRANSITIONS = {
+    Surface.NATIVE: NATIVE_TRANSITIONS,
+    Surface.OPENAI: OPENAI_TRANSITIONS,
+    Surface.ANTHROPIC: ANTHROPIC_TRANSITIONS,
+}
 
 ITEM_TRANSITIONS: dict[str, frozenset] = {
     St.AVAILABLE: frozenset({St.RUNNING, St.CANCELLED}),
@@ -102,6 +120,7 @@ ITEM_TRANSITIONS: dict[str, frozenset] = {
 OPEN = {
     Surface.NATIVE: (S.QUEUED, S.RUNNING),
     Surface.OPENAI: (S.VALIDATING, S.IN_PROGRESS, S.FINALIZING, S.CANCELLING),
+    Surface.ANTHROPIC: (S.IN_PROGRESS, S.CANCELLING),
 }
 TERMINAL = (S.COMPLETED, S.CANCELLED, S.FAILED, S.EXPIRED)
 # Batches whose available items a worker may claim (a validating OpenAI batch has no
@@ -112,6 +131,16 @@ CLAIMABLE = CLAIMABLE_STATUSES
 # OpenAI batches that cancel or expiry may still stop.
 OPENAI_STOPPABLE = (S.VALIDATING, S.IN_PROGRESS)
 NATIVE_STAMP = {S.COMPLETED: "completed_at"}
+STAMPS = {Surface.NATIVE: NATIVE_STAMP, Surface.OPENAI: OPENAI_STATUS_STAMP, Surface.ANTHROPIC: ANTHROPIC_STATUS_STAMP}
+# Anthropic's processing_status of each status: `ended` once every request has a result.
+ANTHROPIC_PROCESSING_STATUS = {
+    S.IN_PROGRESS: "in_progress",
+    S.CANCELLING: "canceling",
+    S.COMPLETED: "ended",
+    S.EXPIRED: "ended",
+    S.CANCELLED: "ended",
+}
+ANTHROPIC_ENDED = (S.COMPLETED, S.EXPIRED, S.CANCELLED)
 
 CANCELLED_ERROR = "batch: cancelled"
 EXPIRED_ERROR = "batch: the completion window ended before this request ran"
@@ -137,10 +166,10 @@ def move(batch_id, surface: str, to: str, *, frm: Iterable[str] | None = None, *
     """Move a batch to `to` if it is in a status the table allows (and `frm` names). True if it moved.
 
     The status's timestamp is stamped unless the caller passes it (OpenAI:
-    in_progress_at, finalizing_at, …; native: completed_at).
+    in_progress_at, finalizing_at, …; native: completed_at; Anthropic: cancelling_at, completed_at).
     """
     allowed = sources(surface, to, frm)
-    stamp = (OPENAI_STATUS_STAMP if surface == Surface.OPENAI else NATIVE_STAMP).get(to)
+    stamp = STAMPS[surface].get(to)
     if stamp and stamp not in fields:
         fields[stamp] = timezone.now()
     return Batch.objects.filter(pk=batch_id, surface=surface, status__in=allowed).update(status=to, **fields) > 0
@@ -370,7 +399,8 @@ def durably(write: Callable[[], bool], seconds: float = DURABLE_SECONDS) -> bool
 
 def complete_if_done(batch_id) -> bool:
     """Once every item is final: a native batch completes (or, cancelled, is stamped completed_at);
-    an OpenAI batch moves to finalizing and its finalization is handed off. True when all are final.
+    an OpenAI batch moves to finalizing and its finalization is handed off; an Anthropic batch ends
+    (completed, expired or cancelled: its results are read from the items). True when all are final.
 
     Idempotent and safe to call from anywhere, any number of times.
     """
@@ -386,6 +416,9 @@ def complete_if_done(batch_id) -> bool:
         elif status in OPEN[Surface.NATIVE]:
             move(batch_id, surface, S.COMPLETED)
         return True
+    if surface == Surface.ANTHROPIC:
+        end_anthropic(batch_id, status)
+        return True
     if status == S.IN_PROGRESS:
         move(batch_id, surface, S.FINALIZING, frm=[S.IN_PROGRESS])
         status = S.FINALIZING
@@ -399,8 +432,9 @@ def unfinished_batches(limit: int = 100) -> list:
     pending = Item.objects.filter(batch_id=OuterRef("pk"), state__in=PENDING_STATES)
     native = Q(surface=Surface.NATIVE, completed_at__isnull=True, status__in=[S.QUEUED, S.RUNNING, S.CANCELLED])
     openai = Q(surface=Surface.OPENAI, status__in=[S.IN_PROGRESS, S.FINALIZING, S.CANCELLING])
+    anthropic = Q(surface=Surface.ANTHROPIC, status__in=OPEN[Surface.ANTHROPIC])
     return list(
-        Batch.objects.filter(native | openai)
+        Batch.objects.filter(native | openai | anthropic)
         .filter(total_items__gt=0)
         .filter(~Exists(pending))
         .values_list("id", "surface", "status", "finalizing_at", "cancelling_at")[:limit]
@@ -451,6 +485,45 @@ def expire_openai(batch_id, now) -> bool:
         cancel_pending_items(batch_id, Code.BATCH_EXPIRED)
     complete_if_done(batch_id)
     return True
+
+
+def end_anthropic(batch_id, status: str) -> bool:
+    """An Anthropic batch whose items are all final ends: cancelling → cancelled; in_progress → expired
+    when its window closed (expired_at), else completed. Call once no item is pending."""
+    if status == S.CANCELLING:
+        return move(batch_id, Surface.ANTHROPIC, S.CANCELLED, frm=[S.CANCELLING])
+    if status != S.IN_PROGRESS:
+        return False
+    expired = Batch.objects.filter(pk=batch_id, expired_at__isnull=False).exists()
+    return move(batch_id, Surface.ANTHROPIC, S.EXPIRED if expired else S.COMPLETED, frm=[S.IN_PROGRESS])
+
+
+def cancel_anthropic(batch_id) -> bool:
+    """in_progress → cancelling; pending requests cancelled now, running ones stop at their next
+    heartbeat; cancelled once none is pending. True if it moved."""
+    now = timezone.now()
+    with transaction.atomic():
+        moved = move(batch_id, Surface.ANTHROPIC, S.CANCELLING, frm=[S.IN_PROGRESS], cancel_requested_at=now)
+        if moved:
+            cancel_pending_items(batch_id, Code.BATCH_CANCELLED)
+    if moved:
+        complete_if_done(batch_id)
+    return moved
+
+
+def expire_anthropic(batch_id, now) -> bool:
+    """The window closed on an in_progress Anthropic batch: expired_at is stamped (it stays in_progress,
+    `processing_status` too, until its running requests stop); pending requests end as batch_expired,
+    running ones stop at their next heartbeat; then it ends `expired`."""
+    with transaction.atomic():
+        stamped = Batch.objects.filter(
+            pk=batch_id, surface=Surface.ANTHROPIC, status=S.IN_PROGRESS, expired_at__isnull=True
+        ).update(expired_at=now, cancel_requested_at=now)
+        if stamped:
+            cancel_pending_items(batch_id, Code.BATCH_EXPIRED)
+    if stamped:
+        complete_if_done(batch_id)
+    return bool(stamped)
 
 
 def cancel_orphans() -> int:

@@ -26,6 +26,15 @@ has its timestamp):
         └──────────────┴──▶ cancelling ──▶ cancelled   (partial results are still written)
 
 Finalizing (and cancelling) ends by writing the output and error files.
+
+Anthropic batch (Message Batches; batches/anthropic_batches.py), no validation or
+finalizing step: the records are stored as items at create, results are read from them:
+
+    in_progress ──last item final──▶ completed | expired (expired_at set: the window closed)
+        └──cancel──▶ cancelling ──last item final──▶ cancelled
+
+`processing_status` shows in_progress / canceling / ended (completed, expired, cancelled);
+`completed_at` is its `ended_at`, stamped on every ending status.
 """
 
 from django.db import models
@@ -38,6 +47,7 @@ from batches.outcomes import Code
 class Surface(models.TextChoices):
     NATIVE = "native"  # spec 000: {"shape", "requests"}; id shown as the UUID
     OPENAI = "openai"  # spec 003: files + batch objects; id shown as batch_<uuid hex>
+    ANTHROPIC = "anthropic"  # Anthropic Message Batches; id shown as msgbatch_<uuid hex>
 
 
 class BatchStatus(models.TextChoices):
@@ -67,6 +77,21 @@ OPENAI_STATUSES = (
     BatchStatus.CANCELLING,
     BatchStatus.CANCELLED,
 )
+ANTHROPIC_STATUSES = (
+    BatchStatus.IN_PROGRESS,
+    BatchStatus.CANCELLING,
+    BatchStatus.COMPLETED,
+    BatchStatus.EXPIRED,
+    BatchStatus.CANCELLED,
+)
+# Each Anthropic status and the timestamp that must be set while a batch is in it
+# (completed_at is the batch's `ended_at`; expired_at is stamped when the window closes).
+ANTHROPIC_STATUS_STAMP = {
+    BatchStatus.CANCELLING: "cancelling_at",
+    BatchStatus.COMPLETED: "completed_at",
+    BatchStatus.EXPIRED: "completed_at",
+    BatchStatus.CANCELLED: "completed_at",
+}
 # Batches whose available items a worker may claim. A validating OpenAI batch
 # has no items yet; a cancelling or finalizing one starts no new work.
 CLAIMABLE_STATUSES = (BatchStatus.QUEUED, BatchStatus.RUNNING, BatchStatus.IN_PROGRESS)
@@ -90,6 +115,7 @@ class Endpoint(models.TextChoices):
     CHAT_COMPLETIONS = "/v1/chat/completions", "/v1/chat/completions"
     COMPLETIONS = "/v1/completions", "/v1/completions"
     EMBEDDINGS = "/v1/embeddings", "/v1/embeddings"
+    RESPONSES = "/v1/responses", "/v1/responses"
 
 
 class Shape(models.TextChoices):
@@ -131,7 +157,7 @@ class Batch(models.Model):
     # The whole principal, so each item can re-check the credential when it runs.
     principal = models.JSONField()
 
-    surface = models.CharField(max_length=8, choices=Surface.choices, default=Surface.NATIVE)
+    surface = models.CharField(max_length=16, choices=Surface.choices, default=Surface.NATIVE)
 
     # --- OpenAI surface (spec 003); blank/null on native batches ---
     endpoint = models.CharField(max_length=32, blank=True, default="", choices=Endpoint.choices)
@@ -174,6 +200,8 @@ class Batch(models.Model):
             models.Index(fields=["status"], name="batch_active", condition=Q(status__in=CLAIMABLE_STATUSES)),
             # GET /v1/batches: the owner's OpenAI batches, newest first (UUIDv7 ids are time-ordered).
             models.Index(fields=["owner_hash", "-id"], name="batch_openai_owner", condition=Q(surface="openai")),
+            # GET /v1/messages/batches: the owner's Anthropic batches, newest first.
+            models.Index(fields=["owner_hash", "-id"], name="batch_anthropic_owner", condition=Q(surface="anthropic")),
             # The sweeper's look-ups: open OpenAI batches (expiry, lost messages).
             models.Index(
                 fields=["status", "expires_at"],
@@ -188,7 +216,8 @@ class Batch(models.Model):
             # Each surface speaks its own status vocabulary.
             models.CheckConstraint(
                 condition=Q(surface=Surface.NATIVE, status__in=[s.value for s in NATIVE_STATUSES])
-                | Q(surface=Surface.OPENAI, status__in=[s.value for s in OPENAI_STATUSES]),
+                | Q(surface=Surface.OPENAI, status__in=[s.value for s in OPENAI_STATUSES])
+                | Q(surface=Surface.ANTHROPIC, status__in=[s.value for s in ANTHROPIC_STATUSES]),
                 name="batch_status_of_surface",
             ),
             # An OpenAI batch always has its endpoint, window, input file and expiry.
@@ -208,6 +237,23 @@ class Batch(models.Model):
                 )
                 for status, stamp in OPENAI_STATUS_STAMP.items()
             ],
+            # An Anthropic status is stamped too (ended ones with completed_at, their ended_at), and an
+            # Anthropic batch always has its expiry.
+            *[
+                models.CheckConstraint(
+                    condition=~Q(surface=Surface.ANTHROPIC, status=status) | Q(**{f"{stamp}__isnull": False}),
+                    name=f"batch_anthropic_{status.value}_stamped",
+                )
+                for status, stamp in ANTHROPIC_STATUS_STAMP.items()
+            ],
+            models.CheckConstraint(
+                condition=~Q(surface=Surface.ANTHROPIC) | Q(expires_at__isnull=False, inbound_shape=Shape.ANTHROPIC),
+                name="batch_anthropic_complete",
+            ),
+            models.CheckConstraint(
+                condition=~Q(surface=Surface.ANTHROPIC, status=BatchStatus.EXPIRED) | Q(expired_at__isnull=False),
+                name="batch_anthropic_expired_has_expired_at",
+            ),
             models.CheckConstraint(condition=Q(discount_percent__lte=100), name="batch_discount_percent_range"),
             models.CheckConstraint(condition=Q(max_attempts__gte=1), name="batch_max_attempts_positive"),
             # Idempotent create: one batch per (owner, key).
@@ -223,8 +269,13 @@ class Batch(models.Model):
 
     @property
     def public_id(self) -> str:
-        """The id the batch's surface shows: the UUID (native) or batch_<uuid hex> (OpenAI)."""
-        return f"batch_{self.id.hex}" if self.surface == Surface.OPENAI else str(self.id)
+        """The id the batch's surface shows: the UUID (native), batch_<uuid hex> (OpenAI) or
+        msgbatch_<uuid hex> (Anthropic)."""
+        if self.surface == Surface.OPENAI:
+            return f"batch_{self.id.hex}"
+        if self.surface == Surface.ANTHROPIC:
+            return f"msgbatch_{self.id.hex}"
+        return str(self.id)
 
     @staticmethod
     def attribution(principal) -> dict:

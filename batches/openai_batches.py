@@ -38,6 +38,13 @@ CREATE_KEYS = {
     "model",
     "output_expires_after",
 }
+# The shape (and so the binding adapter) each endpoint's records are routed with.
+ENDPOINT_SHAPE = {
+    Endpoint.CHAT_COMPLETIONS: Shape.OPENAI,
+    Endpoint.COMPLETIONS: Shape.OPENAI,
+    Endpoint.EMBEDDINGS: Shape.OPENAI,
+    Endpoint.RESPONSES: Shape.OPENAI_RESPONSES,
+}
 METADATA_MAX_PAIRS = 16
 METADATA_KEY_MAX = 64
 METADATA_VALUE_MAX = 512
@@ -94,8 +101,9 @@ def create(principal: Principal, submission: ingest.Submission, *, idempotency_k
             batch = Batch.objects.create(
                 id=batch_id,
                 surface=Surface.OPENAI,
-                # All three endpoints are served by `openai` bindings, as for a live call.
-                inbound_shape=Shape.OPENAI,
+                # The shape its records are in, which is the adapter their bindings must have (as for a
+                # live call): `openai` for chat/completions/embeddings, `openai_responses` for responses.
+                inbound_shape=ENDPOINT_SHAPE[params["endpoint"]],
                 status=BatchStatus.VALIDATING,
                 created_at=now,
                 expires_at=now + timedelta(seconds=settings.RELAY_BATCH_COMPLETION_WINDOW_SECONDS),

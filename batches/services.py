@@ -21,7 +21,7 @@ from django.db import InterfaceError, OperationalError, connection, transaction
 from django.db.models import Count
 from django.utils import timezone
 
-from batches import bulk, ingest, lifecycle, openai_batches, outcomes, retrying, storage
+from batches import anthropic_batches, bulk, ingest, lifecycle, openai_batches, outcomes, retrying, storage
 from batches.models import Attempt, Batch, BatchStatus, Item, ItemState, Shape, Surface
 from batches.outcomes import Code
 from batches.tools import config as tools_config
@@ -375,7 +375,9 @@ def _execute(batch: Batch, item: Item, principal, deadline: float, hb: Heartbeat
                 deadline=deadline,
                 cancel=hb.should_stop,
                 batch_id=str(batch.id),
-                required_adapter=batch.inbound_shape,
+                # Native items must match their shape's adapter (spec 000); an OpenAI or Anthropic record
+                # routes as the live call to its endpoint would (relay.adapters.PATH_ADAPTER).
+                required_adapter=batch.inbound_shape if batch.surface == Surface.NATIVE else None,
                 policy=policy,
                 failover_on_server_error=not batch.retry_transient,
             )
@@ -490,11 +492,15 @@ def _event_without_dispatch(batch: Batch, item_id, code: str, error: str) -> dic
 
 
 def cancel(batch: Batch) -> bool:
-    """Cancel a batch of either surface. Native: pending items now, running ones at their next
+    """Cancel a batch of any surface. Native: pending items now, running ones at their next
     heartbeat on every replica. OpenAI: cancelling → cancelled once its partial results are written;
-    False when it had already finished."""
+    Anthropic: cancelling → cancelled once no request is running; False when it had already finished."""
     if batch.surface == Surface.OPENAI:
         moved = lifecycle.cancel_openai(batch.pk)
+        batch.refresh_from_db()
+        return moved or batch.status in (BatchStatus.CANCELLING, BatchStatus.CANCELLED)
+    if batch.surface == Surface.ANTHROPIC:
+        moved = lifecycle.cancel_anthropic(batch.pk)
         batch.refresh_from_db()
         return moved or batch.status in (BatchStatus.CANCELLING, BatchStatus.CANCELLED)
     lifecycle.cancel_native(batch.pk)
@@ -511,12 +517,12 @@ def sweep() -> dict:
     rescued = lifecycle.rescue_expired_leases(now, _record_rescued)
     discarded = lifecycle.discard_lost_items(now, _record_lost)
     lifecycle.cancel_orphans()  # cancelled batches whose running items died
-    expired = openai_batches.expire_due(now)
+    expired = openai_batches.expire_due(now) + anthropic_batches.expire_due(now)
     stale = now - timezone.timedelta(seconds=settings.RELAY_BATCH_LEASE_SECONDS)
     for batch_id in openai_batches.lost_validations(stale):
         lifecycle.redispatch("validate_openai_batch", batch_id)
-    for batch_id, _surface, status, finalizing_at, cancelling_at in lifecycle.unfinished_batches():
-        if status in (BatchStatus.FINALIZING, BatchStatus.CANCELLING):
+    for batch_id, surface, status, finalizing_at, cancelling_at in lifecycle.unfinished_batches():
+        if surface == Surface.OPENAI and status in (BatchStatus.FINALIZING, BatchStatus.CANCELLING):
             if (finalizing_at or cancelling_at) < stale:
                 lifecycle.redispatch("finalize_openai_batch", batch_id)  # finalize's message was lost
         else:

@@ -1,6 +1,6 @@
 from django.urls import path
 
-from batches.api import views
+from batches.api import anthropic_views, views
 
 urlpatterns = [
     # Both batch surfaces (spec 000 and spec 003) share these routes; see batches/api/views.py.
@@ -13,3 +13,29 @@ urlpatterns = [
     path("v1/files/<str:file_id>", views.FileDetailView.as_view(), name="file-detail"),
     path("v1/files/<str:file_id>/content", views.FileContentView.as_view(), name="file-content"),
 ]
+
+# Anthropic's Message Batches (batches/api/anthropic_views.py), at both prefixes of /v1/messages.
+for _prefix in ("", "anthropic/"):
+    _name = _prefix.replace("/", "-")
+    urlpatterns += [
+        path(
+            f"{_prefix}v1/messages/batches",
+            anthropic_views.MessageBatchListView.as_view(),
+            name=f"{_name}message-batches",
+        ),
+        path(
+            f"{_prefix}v1/messages/batches/<str:batch_id>",
+            anthropic_views.MessageBatchDetailView.as_view(),
+            name=f"{_name}message-batch-detail",
+        ),
+        path(
+            f"{_prefix}v1/messages/batches/<str:batch_id>/cancel",
+            anthropic_views.MessageBatchCancelView.as_view(),
+            name=f"{_name}message-batch-cancel",
+        ),
+        path(
+            f"{_prefix}v1/messages/batches/<str:batch_id>/results",
+            anthropic_views.MessageBatchResultsView.as_view(),
+            name=f"{_name}message-batch-results",
+        ),
+    ]

@@ -18,7 +18,8 @@ EdgeMiddleware (first in settings.MIDDLEWARE):
   a server thread for longer (408);
 - answers any error of an API path (everything but /admin/) as JSON in the
   product's envelope: OpenAI's shape on the OpenAI surface (`/v1/batches`,
-  `/v1/files`), the relay's elsewhere. An unexpected exception is logged with
+  `/v1/files`), Anthropic's on its Message Batches (`/v1/messages/batches`),
+  the relay's elsewhere. An unexpected exception is logged with
   the request id and answered 500 without internals.
 
 JSON bodies are checked once, where they are parsed: relay.http.parse_json_object
@@ -44,6 +45,7 @@ _SPOOL_MEMORY = 1024 * 1024
 # Multipart framing and the small form fields around an upload's file part.
 _MULTIPART_OVERHEAD = 1024 * 1024
 _OPENAI_SURFACE = ("/v1/batches", "/v1/files")
+_ANTHROPIC_SURFACE = ("/v1/messages/batches", "/anthropic/v1/messages/batches")
 
 _REASONS = {
     400: ("invalid_request", "bad request"),
@@ -71,6 +73,10 @@ def error_response(request, status: int, code: str, message: str, *, param: str 
         from batches.errors import OpenAIError
 
         err = OpenAIError(status, code, message, param=param)
+    elif path.startswith(_ANTHROPIC_SURFACE):
+        from batches.anthropic_batches import AnthropicError
+
+        err = AnthropicError(status, f"{param}: {message}" if param else message)
     else:
         err = RelayError(status, code, message, param=param)
     return _finish(request, err.response())

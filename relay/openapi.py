@@ -230,7 +230,7 @@ SCHEMAS = {
         "required": ["endpoint", "completion_window"],
         "description": "Exactly one of `input_file_id` and `requests`.",
         "properties": {
-            "endpoint": {"enum": ["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]},
+            "endpoint": {"enum": ["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"]},
             "completion_window": {"const": "24h"},
             "input_file_id": STR,
             "requests": {
@@ -337,6 +337,69 @@ SCHEMAS = {
             "has_more": BOOL,
         },
     },
+    # --- Anthropic-compatible Message Batches ---
+    "AnthropicError": {
+        "type": "object",
+        "description": "Anthropic's error envelope (Message Batches).",
+        "required": ["type", "error"],
+        "properties": {
+            "type": {"const": "error"},
+            "error": {"type": "object", "required": ["type", "message"], "properties": {"type": STR, "message": STR}},
+        },
+    },
+    "MessageBatchCreate": {
+        "type": "object",
+        "required": ["requests"],
+        "properties": {
+            "requests": {
+                "type": "array",
+                "minItems": 1,
+                "items": {
+                    "type": "object",
+                    "required": ["custom_id", "params"],
+                    "properties": {
+                        "custom_id": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"},
+                        "params": {"type": "object", "description": "a Messages API request body"},
+                    },
+                },
+            }
+        },
+    },
+    "MessageBatch": {
+        "type": "object",
+        "required": ["id", "type", "processing_status", "request_counts", "created_at", "expires_at"],
+        "properties": {
+            "id": {"type": "string", "pattern": "^msgbatch_[0-9a-f]{32}$"},
+            "type": {"const": "message_batch"},
+            "processing_status": {"enum": ["in_progress", "canceling", "ended"]},
+            "request_counts": {
+                "type": "object",
+                "required": ["processing", "succeeded", "errored", "canceled", "expired"],
+                "properties": {k: INT for k in ("processing", "succeeded", "errored", "canceled", "expired")},
+            },
+            "created_at": {"type": "string", "format": "date-time"},
+            "expires_at": {"type": "string", "format": "date-time"},
+            "ended_at": nullable({"type": "string", "format": "date-time"}),
+            "cancel_initiated_at": nullable({"type": "string", "format": "date-time"}),
+            "archived_at": {"type": "null"},
+            "results_url": nullable(STR),
+        },
+    },
+    "MessageBatchList": {
+        "type": "object",
+        "required": ["data", "has_more", "first_id", "last_id"],
+        "properties": {
+            "data": {"type": "array", "items": ref("MessageBatch")},
+            "has_more": BOOL,
+            "first_id": nullable(STR),
+            "last_id": nullable(STR),
+        },
+    },
+    "MessageBatchDeleted": {
+        "type": "object",
+        "required": ["id", "type"],
+        "properties": {"id": STR, "type": {"const": "message_batch_deleted"}},
+    },
     # --- usage ---
     "UsageEvent": {
         "type": "object",
@@ -389,6 +452,11 @@ OPENAI_ERRORS = {
     "401": _resp("missing or invalid credential", "OpenAIError"),
     "404": _resp("not found, not yours, or no batch access", "OpenAIError"),
     "429": _resp("too many concurrent uploads", "OpenAIError"),
+}
+ANTHROPIC_ERRORS = {
+    "400": _resp("invalid request", "AnthropicError"),
+    "401": _resp("missing or invalid credential", "AnthropicError"),
+    "404": _resp("not found, not yours, or no batch access", "AnthropicError"),
 }
 INFERENCE = {
     "requestBody": {"required": True, "content": _json("InferenceRequest")},
@@ -511,6 +579,59 @@ OPERATIONS = {
             },
             **OPENAI_ERRORS,
         },
+    },
+    **{
+        (prefix + path_, method): op
+        for prefix in ("", "/anthropic")
+        for (path_, method), op in {
+            ("/v1/messages/batches", "post"): {
+                "summary": "Create a Message Batch (Anthropic-compatible)",
+                "tags": ["anthropic batches"],
+                "requestBody": {"required": True, "content": _json("MessageBatchCreate")},
+                "responses": {"200": _resp("the message batch", "MessageBatch"), **ANTHROPIC_ERRORS},
+            },
+            ("/v1/messages/batches", "get"): {
+                "summary": "List the caller's Message Batches, newest first",
+                "tags": ["anthropic batches"],
+                "parameters": [
+                    {"name": "before_id", "in": "query", "required": False, "schema": STR},
+                    {"name": "after_id", "in": "query", "required": False, "schema": STR},
+                    {
+                        "name": "limit",
+                        "in": "query",
+                        "required": False,
+                        "schema": {"type": "integer", "minimum": 1, "maximum": 1000},
+                    },
+                ],
+                "responses": {"200": _resp("a page of message batches", "MessageBatchList"), **ANTHROPIC_ERRORS},
+            },
+            ("/v1/messages/batches/{batch_id}", "get"): {
+                "summary": "A Message Batch",
+                "tags": ["anthropic batches"],
+                "responses": {"200": _resp("the message batch", "MessageBatch"), **ANTHROPIC_ERRORS},
+            },
+            ("/v1/messages/batches/{batch_id}", "delete"): {
+                "summary": "Delete an ended Message Batch (its items and results)",
+                "tags": ["anthropic batches"],
+                "responses": {"200": _resp("deleted", "MessageBatchDeleted"), **ANTHROPIC_ERRORS},
+            },
+            ("/v1/messages/batches/{batch_id}/cancel", "post"): {
+                "summary": "Cancel a Message Batch",
+                "tags": ["anthropic batches"],
+                "responses": {"200": _resp("the message batch, canceling", "MessageBatch"), **ANTHROPIC_ERRORS},
+            },
+            ("/v1/messages/batches/{batch_id}/results", "get"): {
+                "summary": "Results of an ended Message Batch, streamed as JSONL (one line per request)",
+                "tags": ["anthropic batches"],
+                "responses": {
+                    "200": {
+                        "description": "JSONL: {custom_id, result: {type: succeeded|errored|canceled|expired, …}}",
+                        "content": {"application/binary": {"schema": {"type": "string"}}},
+                    },
+                    **ANTHROPIC_ERRORS,
+                },
+            },
+        }.items()
     },
     ("/api/usage/events", "get"): {
         "summary": "Usage events, newest first (keyset pages)",

@@ -174,6 +174,7 @@ def test_event_json_has_every_field(client):
                 "provider": "openai",
                 "host": "openai",
                 "batch_id": "0195-batch",
+                "batch_surface": None,
                 "tokens": {"input": 10, "output": 20, "cache_read": 30, "cache_write": 40, "total": 100},
                 "cost_nano_usd": 123,
             }

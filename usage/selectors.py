@@ -7,7 +7,8 @@ and a summary is one GROUP BY, however many events there are.
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from django.db.models import Count, Q, QuerySet, Sum
+from django.db.models import CharField, Count, Q, QuerySet, Sum
+from django.db.models.functions import Cast
 
 from relay.auth import Principal
 from usage.models import UsageEvent
@@ -48,6 +49,8 @@ class EventFilters:
     slugs: dict[str, tuple[str, ...]] = field(default_factory=dict)
     statuses: tuple[int, ...] = ()
     error: bool | None = None
+    # Batch events whose batch came from one of these surfaces (native, openai, anthropic).
+    batch_surfaces: tuple[str, ...] = ()
 
 
 def visible_events(viewer: Viewer) -> QuerySet[UsageEvent]:
@@ -67,7 +70,29 @@ def filtered_events(viewer: Viewer, filters: EventFilters) -> QuerySet[UsageEven
         qs = qs.filter(status__in=filters.statuses)
     if filters.error is not None:
         qs = qs.filter(ERROR_Q if filters.error else ~ERROR_Q)
+    if filters.batch_surfaces:
+        from batches.models import Batch
+
+        batches = Batch.objects.filter(surface__in=filters.batch_surfaces).annotate(sid=Cast("id", CharField()))
+        qs = qs.filter(batch_id__in=batches.values("sid"))
     return qs
+
+
+def batch_surfaces(batch_ids) -> dict[str, str]:
+    """batch_id → the surface its batch came from, for a page of events (one query; a deleted batch is absent)."""
+    import uuid
+
+    from batches.models import Batch
+
+    pks = []
+    for value in set(batch_ids):
+        try:
+            pks.append(uuid.UUID(value))
+        except (ValueError, TypeError):
+            continue
+    if not pks:
+        return {}
+    return {str(pk): surface for pk, surface in Batch.objects.filter(pk__in=pks).values_list("id", "surface")}
 
 
 def event_page(

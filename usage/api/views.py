@@ -57,7 +57,8 @@ class EventListView(UsageView):
         limit = _limit(params.get("limit"))
         after = decode_cursor(params["cursor"]) if "cursor" in params else None
         events = selectors.event_page(viewer, filters, limit=limit, after=after)
-        body = {"events": [event_json(e) for e in events]}
+        surfaces = selectors.batch_surfaces(e.batch_id for e in events if e.batch_id)
+        body = {"events": [event_json(e, surfaces) for e in events]}
         if len(events) == limit:
             body["next_cursor"] = encode_cursor(events[-1])
         return Response(body)
@@ -91,7 +92,14 @@ def parse_filters(params) -> EventFilters:
     start, end = _window(params)
     slugs = {dim: tuple(params.getlist(dim)) for dim in DIMENSIONS if dim in params}
     statuses = tuple(_status(value) for value in params.getlist("status"))
-    return EventFilters(start=start, end=end, slugs=slugs, statuses=statuses, error=_error(params.get("error")))
+    return EventFilters(
+        start=start,
+        end=end,
+        slugs=slugs,
+        statuses=statuses,
+        error=_error(params.get("error")),
+        batch_surfaces=tuple(_batch_surface(value) for value in params.getlist("batch_surface")),
+    )
 
 
 def _window(params) -> tuple[datetime, datetime]:
@@ -136,6 +144,14 @@ def _status(value: str) -> int:
     if not re.fullmatch(r"[0-9]{1,3}", value):
         raise bad_request(f"status must be an HTTP status code (0 for a relay-side rejection), got {value!r}")
     return int(value)
+
+
+def _batch_surface(value: str) -> str:
+    from batches.models import Surface
+
+    if value not in Surface.values:
+        raise bad_request(f"batch_surface must be one of {', '.join(Surface.values)}, got {value!r}")
+    return value
 
 
 def _error(value: str | None) -> bool | None:
@@ -183,7 +199,7 @@ def _iso(ts: datetime) -> str:
     return ts.astimezone(UTC).isoformat().replace("+00:00", "Z")
 
 
-def event_json(e: UsageEvent) -> dict:
+def event_json(e: UsageEvent, surfaces: dict | None = None) -> dict:
     return {
         "request_id": e.request_id,
         "source": e.source,
@@ -208,6 +224,9 @@ def event_json(e: UsageEvent) -> dict:
         "provider": e.provider,
         "host": e.host,
         "batch_id": e.batch_id,
+        # The surface the event's batch came from (native, openai, anthropic); null for live requests
+        # and for batches deleted since.
+        "batch_surface": (surfaces or {}).get(e.batch_id),
         "tokens": {
             "input": e.input_tokens,
             "output": e.output_tokens,
