@@ -380,6 +380,7 @@ def _execute(batch: Batch, item: Item, principal, deadline: float, hb: Heartbeat
                 required_adapter=batch.inbound_shape if batch.surface == Surface.NATIVE else None,
                 policy=policy,
                 failover_on_server_error=not batch.retry_transient,
+                server_error_benches_key=item.retries == 0,
             )
         )
 

@@ -50,6 +50,10 @@ class Call:
     # every key of the pool in one go. (401/403/429 and network errors, which are about the key,
     # always fail over.)
     failover_on_server_error: bool = True
+    # Whether a 5xx opens the key's breaker. A batch item that already failed once and fails again
+    # is more likely a request the provider cannot serve than a bad key: it does not bench the key
+    # (nor fail a half-open probe), so a few such items cannot starve the rest of the batch.
+    server_error_benches_key: bool = True
 
 
 @dataclass
@@ -184,7 +188,10 @@ def _dispatch(call: Call, ctx: dict, started: float) -> Outcome:
                 # 400/404/422…: the request is at fault, not the key; the key answered fine.
                 breaker.record_success(cand.key_hash)
                 break
-            breaker.record_failure(cand.key_hash, failure, _retry_after(resp))
+            if failure is Failure.SERVER and not call.server_error_benches_key:
+                breaker.release_probe(cand.key_hash)  # the request, not the key, is the likelier culprit
+            else:
+                breaker.record_failure(cand.key_hash, failure, _retry_after(resp))
             if failure is Failure.SERVER and not call.failover_on_server_error:
                 break  # the caller retries later, with backoff, rather than spread one failure over every key
     finally:

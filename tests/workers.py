@@ -39,7 +39,7 @@ class Worker:
     def __init__(self, db_url: str, name: str, extra_env: dict | None = None, beat: bool = True):
         self.name = name
         self.schedule = tempfile.mkdtemp(prefix="relay-beat-")
-        env = dict(os.environ, DATABASE_URL=db_url, **TEST_BATCH_ENV, **(extra_env or {}))
+        env = {**os.environ, "DATABASE_URL": db_url, **TEST_BATCH_ENV, **(extra_env or {})}
         self.logs, self.procs = {}, {}
         schedule = os.path.join(self.schedule, "beat")
         loglevel = os.environ.get("TEST_WORKER_LOGLEVEL", "WARNING")
