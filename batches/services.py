@@ -26,8 +26,7 @@ from batches import bulk, ingest, openai_batches, storage
 from batches.models import CLAIMABLE_STATUSES, Batch, BatchStatus, Item, ItemState, Shape, Surface
 from batches.tools import config as tools_config
 from batches.tools.loop import run_tool_loop
-from policies.models import Policy
-from relay import auth, pipeline
+from relay import auth, catalog, pipeline
 from relay.errors import RelayError
 from usage.services import record_event
 
@@ -331,7 +330,7 @@ def _execute(batch: Batch, item: Item, principal, deadline: float, hb: Heartbeat
         auth.recheck(principal)
     except RelayError as exc:  # AuthError, or the token's project is gone
         return _Run(failure=f"batch: credential no longer valid: {exc.message}")
-    policy = Policy.objects.select_related("rate_limit").filter(pk=batch.policy_id).first() if batch.policy_id else None
+    policy = catalog.policy(batch.policy_id) if batch.policy_id else None
     if policy is None or not policy.enabled:
         return _Run(failure="batch: policy_unavailable")
     try:

@@ -293,7 +293,8 @@ def reserve(scope: str, rate_limit: RateLimit | None, *, subject: str) -> Reserv
     raise `RateLimited`. `subject` names the limited party in the message."""
     if rate_limit is None or not rate_limit.enabled:
         return Reservation([])
-    # Read fresh every time: an operator may edit rules while traffic flows.
+    # Rules come from the catalog cache (prefetched; dropped at the next catalog write)
+    # or from the database: an operator may edit rules while traffic flows.
     rules = list(rate_limit.rules.all())
     if not rules:
         return Reservation([])
