@@ -25,11 +25,8 @@ ladder, so eight concurrent 401s do not jump straight to an hour.
 from __future__ import annotations
 
 import enum
-from functools import lru_cache
 
-import redis
-from redis.commands.core import Script
-
+from policies import lua
 from relay.redis import get_redis
 
 AUTH_LADDER_S = (60, 300, 900, 3600)
@@ -58,12 +55,7 @@ _REASONS = {
     Failure.RATE_LIMITED: "upstream_rate_limited",
 }
 
-_LUA_NOW = """
-local function now_ms()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
-"""
+_LUA_NOW = lua.NOW_MS
 
 # KEYS: state, probe. ARGV: probe TTL ms. Returns 1 when the caller may use the key.
 _ACQUIRE_LUA = (
@@ -131,12 +123,6 @@ return {s[1] or 'closed', s[2] or '', s[3] or '0', s[4] or '', tostring(now_ms()
 )
 
 
-@lru_cache(maxsize=8)
-def _script(client: redis.Redis, source: str) -> Script:
-    # One Script per client: redis-py hashes the source once and then runs it by SHA.
-    return client.register_script(source)
-
-
 def _keys(key_hash: str) -> list[str]:
     state = f"relay:breaker:{{{key_hash}}}"
     return [state, f"{state}:probe"]
@@ -150,8 +136,7 @@ def try_acquire(key_hash: str) -> bool:
     `record_failure`; otherwise the key stays benched until the probe expires
     (`PROBE_TTL_MS`).
     """
-    client = get_redis()
-    return bool(_script(client, _ACQUIRE_LUA)(keys=_keys(key_hash), args=[PROBE_TTL_MS], client=client))
+    return bool(lua.run(_ACQUIRE_LUA, _keys(key_hash), [PROBE_TTL_MS]))
 
 
 def record_success(key_hash: str) -> None:
@@ -180,16 +165,14 @@ def record_failure(key_hash: str, failure: Failure, retry_after: float | None = 
         fixed, ladder = str(round(retry_after * 1000)), ()
     else:
         fixed, ladder = "", AUTH_LADDER_S if failure is Failure.AUTH else BACKOFF_LADDER_S
-    client = get_redis()
     args = [_REASONS[failure], fixed, STATE_TTL_MS, *(s * 1000 for s in ladder)]
-    _script(client, _FAILURE_LUA)(keys=_keys(key_hash), args=args, client=client)
+    lua.run(_FAILURE_LUA, _keys(key_hash), args)
 
 
 def snapshot(key_hash: str) -> dict:
     """The breaker as the next `try_acquire` would see it: an open breaker whose
     cooldown is over reads as half-open. `open_until` is epoch seconds."""
-    client = get_redis()
-    state, open_until, step, reason, now = _script(client, _SNAPSHOT_LUA)(keys=_keys(key_hash)[:1], client=client)
+    state, open_until, step, reason, now = lua.run(_SNAPSHOT_LUA, _keys(key_hash)[:1], [])
     until = float(open_until) if open_until else None
     if state == "open" and until is not None and int(now) >= until:
         state = "half_open"

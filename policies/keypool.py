@@ -10,29 +10,21 @@ The cursors live in Redis so every process rotates through the same pool:
 
 from __future__ import annotations
 
-from functools import lru_cache
-
-import redis
-from redis.commands.core import Script
-
+from policies import lua
 from policies.models import KeySelection
 from relay.redis import get_redis
 
 CURSOR_TTL_S = 30 * 24 * 3600
 
 # Server time, so the order of uses recorded by different machines is real.
-_MARK_USED_LUA = """
-local t = redis.call('TIME')
-local ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+_MARK_USED_LUA = (
+    lua.NOW_MS
+    + """
+local ms = now_ms()
 redis.call('SET', KEYS[1], ms, 'EX', ARGV[1])
 return ms
 """
-
-
-@lru_cache(maxsize=8)
-def _script(client: redis.Redis, source: str) -> Script:
-    # One Script per client: redis-py hashes the source once and then runs it by SHA.
-    return client.register_script(source)
+)
 
 
 def _rr_key(policy_id: int) -> str:
@@ -67,5 +59,4 @@ def order(policy_id: int, selection: str, candidates: list) -> list:
 
 def mark_used(policy_id: int, key_hash: str) -> None:
     """Record that the pipeline picked this key (drives least-recently-used)."""
-    client = get_redis()
-    _script(client, _MARK_USED_LUA)(keys=[_lru_key(policy_id, key_hash)], args=[CURSOR_TTL_S], client=client)
+    lua.run(_MARK_USED_LUA, [_lru_key(policy_id, key_hash)], [CURSOR_TTL_S])

@@ -27,14 +27,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import TYPE_CHECKING
 
-import redis
-from redis.commands.core import Script
-
+from policies import lua
 from policies.models import Meter, Strategy
-from relay.redis import get_redis
 
 if TYPE_CHECKING:
     from policies.models import RateLimit
@@ -48,13 +44,11 @@ GAUGE_TTL_WINDOWS = 5
 # A spent gauge frees when some request finishes, which no clock predicts.
 CONCURRENCY_RETRY_MS = 1000
 
-# Shared helpers of both scripts. Times are milliseconds of Redis server time.
-_LUA_COMMON = """
-local function now_ms()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
-
+# Shared helpers of every limit script (and of the key pick, policies.keypool.pick, which
+# checks an inbound limit and a key's tier in the same script). Times are ms of Redis server time.
+_LUA_COMMON = (
+    lua.NOW_MS
+    + """
 -- Two-bucket sliding window: the current and the previous window's counts,
 -- rolled forward to the window that contains `now`.
 local function sliding_state(key, now, window)
@@ -74,11 +68,7 @@ local function sliding_write(key, idx, cur, prev, window)
   redis.call('HSET', key, 'idx', idx, 'cur', cur, 'prev', prev)
   redis.call('PEXPIRE', key, window * %(state_ttl)d)
 end
-"""
 
-_RESERVE_LUA = (
-    _LUA_COMMON
-    + """
 -- Milliseconds until cur + prev*(1 - elapsed/window) falls to `limit`
 -- (below it when `strict`). If the current window alone is over the limit,
 -- the wait runs past the roll, where the current count starts to decay.
@@ -93,91 +83,102 @@ local function sliding_wait(cur, prev, elapsed, window, limit, strict)
   return wait
 end
 
--- ARGV holds 4 values per rule (KEYS[i]): kind, amount, window ms, strategy.
--- Every rule is decided before anything is written, so a denial consumes nothing.
-local now = now_ms()
-local apply = {}
-local worst_rule, worst_wait = 0, -1
-for i, key in ipairs(KEYS) do
-  local base = (i - 1) * 4
-  local kind = ARGV[base + 1]
-  local amount = tonumber(ARGV[base + 2])
-  local window = tonumber(ARGV[base + 3])
-  local strategy = ARGV[base + 4]
-  local wait = nil
+-- The rules KEYS[k0+1 .. k0+n] with 4 values each in ARGV from a0+1 (kind, amount,
+-- window ms, strategy). Every rule is decided before anything is written, so a denial
+-- consumes nothing: returns the worst rule (1-based within the set, 0 when all pass),
+-- its wait in ms, and the writes to apply when the caller takes the reservation.
+local function check_rules(k0, a0, n, now)
+  local apply = {}
+  local worst_rule, worst_wait = 0, -1
+  for i = 1, n do
+    local key = KEYS[k0 + i]
+    local base = a0 + (i - 1) * 4
+    local kind = ARGV[base + 1]
+    local amount = tonumber(ARGV[base + 2])
+    local window = tonumber(ARGV[base + 3])
+    local strategy = ARGV[base + 4]
+    local wait = nil
 
-  if kind == 'concurrency' then
-    local inflight = tonumber(redis.call('GET', key) or '0')
-    if inflight + 1 > amount then
-      wait = %(concurrency_retry_ms)d
-    else
-      apply[#apply + 1] = function()
-        redis.call('INCR', key)
-        redis.call('PEXPIRE', key, window * %(gauge_ttl)d)
+    if kind == 'concurrency' then
+      local inflight = tonumber(redis.call('GET', key) or '0')
+      if inflight + 1 > amount then
+        wait = %(concurrency_retry_ms)d
+      else
+        apply[#apply + 1] = function()
+          redis.call('INCR', key)
+          redis.call('PEXPIRE', key, window * %(gauge_ttl)d)
+        end
+      end
+
+    elseif kind == 'tokens' then
+      -- Only checked here; commit charges what the response reports.
+      local idx, cur, prev, elapsed = sliding_state(key, now, window)
+      if cur + prev * (1 - elapsed / window) >= amount then
+        wait = sliding_wait(cur, prev, elapsed, window, amount, true)
+      end
+
+    elseif strategy == 'sliding-window' then
+      local idx, cur, prev, elapsed = sliding_state(key, now, window)
+      if cur + prev * (1 - elapsed / window) + 1 > amount then
+        wait = sliding_wait(cur, prev, elapsed, window, amount - 1, false)
+      else
+        apply[#apply + 1] = function() sliding_write(key, idx, cur + 1, prev, window) end
+      end
+
+    elseif strategy == 'fixed-window' then
+      local idx = math.floor(now / window)
+      local s = redis.call('HMGET', key, 'idx', 'n')
+      local n = 0
+      if tonumber(s[1]) == idx then n = tonumber(s[2]) or 0 end
+      if n + 1 > amount then
+        wait = (idx + 1) * window - now
+      else
+        apply[#apply + 1] = function()
+          redis.call('HSET', key, 'idx', idx, 'n', n + 1)
+          redis.call('PEXPIRE', key, window * %(state_ttl)d)
+        end
+      end
+
+    else -- token-bucket: capacity `amount`, refilled continuously at amount/window
+      local s = redis.call('HMGET', key, 'tokens', 'ts')
+      local tokens = amount
+      if s[1] then
+        tokens = math.min(amount, tonumber(s[1]) + (now - tonumber(s[2])) * amount / window)
+      end
+      if tokens < 1 then
+        wait = (1 - tokens) * window / amount
+      else
+        apply[#apply + 1] = function()
+          redis.call('HSET', key, 'tokens', tokens - 1, 'ts', now)
+          redis.call('PEXPIRE', key, window * %(state_ttl)d)
+        end
       end
     end
 
-  elseif kind == 'tokens' then
-    -- Only checked here; commit charges what the response reports.
-    local idx, cur, prev, elapsed = sliding_state(key, now, window)
-    if cur + prev * (1 - elapsed / window) >= amount then
-      wait = sliding_wait(cur, prev, elapsed, window, amount, true)
-    end
-
-  elseif strategy == 'sliding-window' then
-    local idx, cur, prev, elapsed = sliding_state(key, now, window)
-    if cur + prev * (1 - elapsed / window) + 1 > amount then
-      wait = sliding_wait(cur, prev, elapsed, window, amount - 1, false)
-    else
-      apply[#apply + 1] = function() sliding_write(key, idx, cur + 1, prev, window) end
-    end
-
-  elseif strategy == 'fixed-window' then
-    local idx = math.floor(now / window)
-    local s = redis.call('HMGET', key, 'idx', 'n')
-    local n = 0
-    if tonumber(s[1]) == idx then n = tonumber(s[2]) or 0 end
-    if n + 1 > amount then
-      wait = (idx + 1) * window - now
-    else
-      apply[#apply + 1] = function()
-        redis.call('HSET', key, 'idx', idx, 'n', n + 1)
-        redis.call('PEXPIRE', key, window * %(state_ttl)d)
-      end
-    end
-
-  else -- token-bucket: capacity `amount`, refilled continuously at amount/window
-    local s = redis.call('HMGET', key, 'tokens', 'ts')
-    local tokens = amount
-    if s[1] then
-      tokens = math.min(amount, tonumber(s[1]) + (now - tonumber(s[2])) * amount / window)
-    end
-    if tokens < 1 then
-      wait = (1 - tokens) * window / amount
-    else
-      apply[#apply + 1] = function()
-        redis.call('HSET', key, 'tokens', tokens - 1, 'ts', now)
-        redis.call('PEXPIRE', key, window * %(state_ttl)d)
-      end
+    if wait and wait > worst_wait then
+      worst_rule, worst_wait = i, wait
     end
   end
-
-  if wait and wait > worst_wait then
-    worst_rule, worst_wait = i, wait
-  end
+  return worst_rule, worst_wait, apply
 end
-
-if worst_rule > 0 then
-  return {0, worst_rule, math.ceil(worst_wait)}
-end
-for _, fn in ipairs(apply) do fn() end
-return {1}
 """
 ) % {
     "state_ttl": STATE_TTL_WINDOWS,
     "gauge_ttl": GAUGE_TTL_WINDOWS,
     "concurrency_retry_ms": CONCURRENCY_RETRY_MS,
 }
+
+_RESERVE_LUA = (
+    _LUA_COMMON
+    + """local now = now_ms()
+local worst_rule, worst_wait, apply = check_rules(0, 0, #KEYS, now)
+if worst_rule > 0 then
+  return {0, worst_rule, math.ceil(worst_wait)}
+end
+for _, fn in ipairs(apply) do fn() end
+return {1}
+"""
+)
 
 # ARGV holds 3 values per key: kind ('tokens' or 'concurrency'), tokens to
 # charge, window ms.
@@ -202,13 +203,7 @@ for i, key in ipairs(KEYS) do
 end
 return 1
 """
-) % {"state_ttl": STATE_TTL_WINDOWS}
-
-
-@lru_cache(maxsize=8)
-def _script(client: redis.Redis, source: str) -> Script:
-    # One Script per client: redis-py hashes the source once and then runs it by SHA.
-    return client.register_script(source)
+)
 
 
 class RateLimited(Exception):
@@ -271,8 +266,7 @@ class Reservation:
                 keys.append(held.key)
                 args += ["tokens", charges[held.meter], held.window_ms]
         if keys:
-            client = get_redis()
-            _script(client, _SETTLE_LUA)(keys=keys, args=args, client=client)
+            lua.run(_SETTLE_LUA, keys, args)
 
 
 def _key(scope: str, rule) -> str:
@@ -303,8 +297,7 @@ def reserve(scope: str, rate_limit: RateLimit | None, *, subject: str) -> Reserv
     for rule in rules:
         keys.append(_key(scope, rule))
         args += [_kind(rule.meter), rule.amount, rule.window_seconds * 1000, rule.strategy]
-    client = get_redis()
-    result = _script(client, _RESERVE_LUA)(keys=keys, args=args, client=client)
+    result = lua.run(_RESERVE_LUA, keys, args)
     if int(result[0]) == 0:
         rule = rules[int(result[1]) - 1]
         raise RateLimited(rule.meter, subject, max(1, math.ceil(int(result[2]) / 1000)))
