@@ -57,18 +57,31 @@ _REASONS = {
 
 _LUA_NOW = lua.NOW_MS
 
+# The half-open decision as a Lua function, also used by the key pick (policies.keypool.pick).
+# Returns 1 (closed: go), 2 (half-open: go, holding the probe) or 0 (refused), and when
+# refused the ms until the cooldown ends (-1: another caller holds the probe).
+ACQUIRE_FN_LUA = """
+local function breaker_acquire(state_key, probe_key, probe_ttl, now)
+  local s = redis.call('HMGET', state_key, 'state', 'open_until')
+  local state = s[1]
+  if not state or state == 'closed' then return 1, 0 end
+  if state == 'open' then
+    local until_ms = tonumber(s[2])
+    if now < until_ms then return 0, until_ms - now end
+    redis.call('HSET', state_key, 'state', 'half_open')
+  end
+  if redis.call('SET', probe_key, '1', 'NX', 'PX', probe_ttl) then return 2, 0 end
+  return 0, -1
+end
+"""
+
 # KEYS: state, probe. ARGV: probe TTL ms. Returns 1 when the caller may use the key.
 _ACQUIRE_LUA = (
     _LUA_NOW
+    + ACQUIRE_FN_LUA
     + """
-local s = redis.call('HMGET', KEYS[1], 'state', 'open_until')
-local state = s[1]
-if not state or state == 'closed' then return 1 end
-if state == 'open' then
-  if now_ms() < tonumber(s[2]) then return 0 end
-  redis.call('HSET', KEYS[1], 'state', 'half_open')
-end
-if redis.call('SET', KEYS[2], '1', 'NX', 'PX', ARGV[1]) then return 1 end
+local ok = breaker_acquire(KEYS[1], KEYS[2], ARGV[1], now_ms())
+if ok > 0 then return 1 end
 return 0
 """
 )

@@ -282,30 +282,57 @@ def _kind(meter: str) -> str:
     return meter  # "requests" or "concurrency"
 
 
-def reserve(scope: str, rate_limit: RateLimit | None, *, subject: str) -> Reservation:
-    """Take one request's share of every rule of `rate_limit` under `scope`, or
-    raise `RateLimited`. `subject` names the limited party in the message."""
+@dataclass(frozen=True)
+class Plan:
+    """What a reservation under one scope checks: its Redis keys, script arguments, rules."""
+
+    keys: list
+    args: list
+    rules: list
+    subject: str
+
+    def denied(self, rule_index: int, wait_ms: int) -> RateLimited:
+        """`rule_index` is 1-based, as the scripts return it."""
+        return RateLimited(self.rules[rule_index - 1].meter, self.subject, max(1, math.ceil(wait_ms / 1000)))
+
+    def reservation(self) -> Reservation:
+        return Reservation(
+            [
+                _Held(key, rule.meter, rule.window_seconds * 1000)
+                for key, rule in zip(self.keys, self.rules, strict=True)
+                if rule.meter != Meter.REQUESTS
+            ]
+        )
+
+
+_NO_PLAN = Plan([], [], [], "")
+
+
+def plan(scope: str, rate_limit: RateLimit | None, *, subject: str) -> Plan:
     if rate_limit is None or not rate_limit.enabled:
-        return Reservation([])
+        return _NO_PLAN
     # Rules come from the catalog cache (prefetched; dropped at the next catalog write)
     # or from the database: an operator may edit rules while traffic flows.
     rules = list(rate_limit.rules.all())
     if not rules:
-        return Reservation([])
-
+        return _NO_PLAN
     keys, args = [], []
     for rule in rules:
         keys.append(_key(scope, rule))
         args += [_kind(rule.meter), rule.amount, rule.window_seconds * 1000, rule.strategy]
-    result = lua.run(_RESERVE_LUA, keys, args)
-    if int(result[0]) == 0:
-        rule = rules[int(result[1]) - 1]
-        raise RateLimited(rule.meter, subject, max(1, math.ceil(int(result[2]) / 1000)))
+    return Plan(keys, args, rules, subject)
 
-    return Reservation(
-        [
-            _Held(key, rule.meter, rule.window_seconds * 1000)
-            for key, rule in zip(keys, rules, strict=True)
-            if rule.meter != Meter.REQUESTS
-        ]
-    )
+
+def reserve(scope: str, rate_limit: RateLimit | None, *, subject: str) -> Reservation:
+    """Take one request's share of every rule of `rate_limit` under `scope`, or
+    raise `RateLimited`. `subject` names the limited party in the message."""
+    return reserve_plan(plan(scope, rate_limit, subject=subject))
+
+
+def reserve_plan(p: Plan) -> Reservation:
+    if not p.rules:
+        return Reservation([])
+    result = lua.run(_RESERVE_LUA, p.keys, p.args)
+    if int(result[0]) == 0:
+        raise p.denied(int(result[1]), int(result[2]))
+    return p.reservation()

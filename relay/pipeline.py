@@ -93,26 +93,18 @@ def _dispatch(call: Call, ctx: dict, started: float) -> Outcome:
     payload = json.dumps(body).encode()
 
     try:
-        inbound = ratelimit.reserve(f"policy:{policy.id}", policy.rate_limit, subject=f"policy {policy.name}")
+        # Inbound limit, key order, breaker probe, tier limit, LRU mark: one Redis round trip.
+        picks = keypool.pick(policy, _candidates(route.keys), max_picks=MAX_KEY_ATTEMPTS)
     except ratelimit.RateLimited as exc:
         raise RelayError(429, "rate_limit_exceeded", exc.message, headers={"Retry-After": exc.retry_after}) from exc
+    inbound = picks.inbound
 
     last_response: upstream.UpstreamResponse | None = None
     last_error: upstream.UpstreamError | None = None
     tried_any = False
     try:
-        for cand in keypool.order(policy.id, policy.key_selection, _candidates(route.keys)):
-            if ctx["attempts"] >= MAX_KEY_ATTEMPTS:
-                break
+        for cand, tier in picks:  # keys whose breaker refuses or whose tier is spent are skipped
             key, key_value = cand.key, cand.value
-            if not breaker.try_acquire(cand.key_hash):
-                continue
-            try:
-                tier = ratelimit.reserve(f"hostkey:{key.id}", key.rate_limit, subject=f"host key {key.name}")
-            except ratelimit.RateLimited:
-                breaker.release_probe(cand.key_hash)
-                continue  # the key's own upstream tier is spent: try the next key
-            keypool.mark_used(policy.id, cand.key_hash)
             tried_any = True
             ctx["attempts"] += 1
             ctx["host_key"] = key
