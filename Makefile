@@ -1,5 +1,5 @@
 # The two commands of the README. Each does its own set-up.
-.PHONY: run test lint bench
+.PHONY: run test lint bench bench-quick
 
 run:
 	@bash scripts/run.sh
@@ -12,3 +12,6 @@ lint:
 
 bench:
 	@bash scripts/bench.sh
+
+bench-quick:
+	@BENCH_QUICK=1 bash scripts/bench.sh
