@@ -6,6 +6,11 @@ The cursors live in Redis so every process rotates through the same pool:
 
     relay:pool_rr:{policy:<id>}               round-robin counter (INCR), TTL 30 days
     relay:pool_lru:{policy:<id>}:<key_hash>   last use in ms of Redis server time, TTL 30 days
+
+The pipeline uses `pick()`: the inbound limit, this order, each key's breaker and tier
+limit and the LRU mark in ONE script (one round trip; fail-over costs one more). That
+script touches keys under several hash tags (the policy's, each key's breaker, each host
+key's limit), so it needs one Redis server, as deployed here, not a Redis Cluster.
 """
 
 from __future__ import annotations

@@ -27,13 +27,16 @@ Relay keys and inference tokens are not cached here: revocation must be seen at
 once, and they are checked with one query per request (`relay.auth`).
 
 If the counter disappears (Redis flushed), it restarts from a random value, so a
-process holding an old number cannot mistake a new counter for its own.
+process holding an old number cannot mistake a new counter for its own. While Redis
+cannot be reached nothing is served from the cache, a bump that failed is retried
+by the next request of the process that wrote, and no snapshot is used for longer
+than MAX_AGE_S whatever the counter says (a backstop for a write whose bump was lost).
 """
 
 from __future__ import annotations
 
 import random
-import threading
+import time
 from dataclasses import dataclass, field
 
 import redis
@@ -42,6 +45,7 @@ from django.db import models, transaction
 from relay.redis import get_redis
 
 GEN_KEY = "relay:catalog:gen"
+MAX_AGE_S = 300.0
 
 # INCR, but a missing counter starts from a random value (see the module docstring).
 _BUMP_LUA = """
@@ -63,11 +67,12 @@ def bump() -> None:
 def _bump_now() -> None:
     _local_cache.clear()
     try:
-        client = get_redis()
-        client.eval(_BUMP_LUA, 1, GEN_KEY, _seed())
+        get_redis().eval(_BUMP_LUA, 1, GEN_KEY, _seed())
+        _local_cache.bump_pending = False
     except redis.RedisError:
-        # Without Redis nothing is served from a cache anyway (`_snapshot` bypasses it).
-        pass
+        # Retried by this process's next request (`_Cache.current`); meanwhile nothing is
+        # served from a cache here, and other processes cannot read the counter either.
+        _local_cache.bump_pending = True
 
 
 @dataclass
@@ -75,18 +80,23 @@ class _Snapshot:
     gen: str | None
     policies: dict = field(default_factory=dict)  # id -> Policy | None
     routes: dict = field(default_factory=dict)  # (policy id, model name) -> Route | (status, code, message)
+    born: float = field(default_factory=time.monotonic)
 
 
 class _Cache:
     def __init__(self):
         self.snapshot = _Snapshot(gen=None)
-        self.lock = threading.Lock()
+        self.bump_pending = False
 
     def clear(self) -> None:
         self.snapshot = _Snapshot(gen=None)
 
     def current(self) -> _Snapshot | None:
         """The snapshot valid for the generation in Redis now; None when Redis cannot tell."""
+        if self.bump_pending:
+            _bump_now()
+            if self.bump_pending:
+                return None
         try:
             client = get_redis()
             gen = client.get(GEN_KEY)
@@ -94,9 +104,10 @@ class _Cache:
                 client.set(GEN_KEY, _seed(), nx=True)
                 gen = client.get(GEN_KEY)
         except redis.RedisError:
+            self.clear()  # what was read before the outage is not trusted after it
             return None
         snap = self.snapshot
-        if snap.gen != gen:
+        if snap.gen != gen or time.monotonic() - snap.born > MAX_AGE_S:
             snap = _Snapshot(gen=gen)
             self.snapshot = snap
         return snap

@@ -154,3 +154,24 @@ def test_another_process_sees_every_write_at_its_next_request(fake, child):
 
     Policy.objects.get(pk=c.policy.pk).delete()
     assert child(c.policy.id) == {"error": "no_policy"}
+
+
+def test_without_redis_nothing_is_cached_and_a_lost_bump_is_retried(catalog, settings):
+    from relay import catalog as cache
+    from relay.redis import get_redis
+
+    route_of(catalog.policy.id)
+    before = cache._local_cache.current().gen
+    good_url = settings.REDIS_URL
+    settings.REDIS_URL = "redis://127.0.0.1:1/11"  # nothing listens there
+    try:
+        # Reads go to the database, and a write's bump cannot reach Redis.
+        HostBinding.objects.filter(model__name="gpt-4o").update(upstream_name="during-outage")
+        assert route_of(catalog.policy.id).binding.upstream_name == "during-outage"
+        assert cache._local_cache.bump_pending
+    finally:
+        settings.REDIS_URL = good_url
+    assert get_redis().get(cache.GEN_KEY) == before  # the bump was lost …
+    cache._local_cache.current()  # … and is made by this process's next request
+    assert get_redis().get(cache.GEN_KEY) != before
+    assert not cache._local_cache.bump_pending
