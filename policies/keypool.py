@@ -224,6 +224,30 @@ class Picks:
             cand, tier, rest = self._decide(rest, KeySelection.PRIORITIZED, None)
 
 
+_SUCCESS_LUA = (
+    ratelimit._LUA_COMMON
+    + ratelimit._SETTLE_FN_LUA
+    + """
+redis.call('DEL', KEYS[1], KEYS[2])
+settle_keys(2, 0, #KEYS - 2, now_ms())
+return 1
+"""
+)
+
+
+def settle_success(key_hash: str, reservations, *, input_tokens: int = 0, output_tokens: int = 0) -> None:
+    """A call with the key succeeded, in ONE round trip: the key's breaker closes (as
+    `breaker.record_success`) and every reservation commits the observed tokens (as
+    `Reservation.commit`; one already settled is left alone)."""
+    charges = ratelimit.Reservation.charges(input_tokens, output_tokens)
+    keys, args = list(breaker._keys(key_hash)), []
+    for reservation in reservations:
+        k, a = reservation.take_settle(charges)
+        keys += k
+        args += a
+    lua.run(_SUCCESS_LUA, keys, args)
+
+
 def pick(policy, candidates: list, *, max_picks: int) -> Picks:
     """The inbound limit of `policy` and its first usable key, in one Redis round trip.
 

@@ -182,25 +182,35 @@ return {1}
 
 # ARGV holds 3 values per key: kind ('tokens' or 'concurrency'), tokens to
 # charge, window ms.
-_SETTLE_LUA = (
-    _LUA_COMMON
-    + """
-local now = now_ms()
-for i, key in ipairs(KEYS) do
-  local base = (i - 1) * 3
-  local kind = ARGV[base + 1]
-  if kind == 'concurrency' then
-    -- Never below zero: the gauge may have expired under a long request.
-    if tonumber(redis.call('GET', key) or '0') > 0 then
-      redis.call('DECR', key)
+# ARGV holds 3 values per key: kind ('tokens' or 'concurrency'), tokens to
+# charge, window ms. KEYS from k0+1, ARGV from a0+1 (the key pick's success settle
+# puts the breaker's keys first: policies.keypool.settle_success).
+_SETTLE_FN_LUA = """
+local function settle_keys(k0, a0, n, now)
+  for i = 1, n do
+    local key = KEYS[k0 + i]
+    local base = a0 + (i - 1) * 3
+    local kind = ARGV[base + 1]
+    if kind == 'concurrency' then
+      -- Never below zero: the gauge may have expired under a long request.
+      if tonumber(redis.call('GET', key) or '0') > 0 then
+        redis.call('DECR', key)
+      end
+    else
+      local charge = tonumber(ARGV[base + 2])
+      local window = tonumber(ARGV[base + 3])
+      local idx, cur, prev = sliding_state(key, now, window)
+      sliding_write(key, idx, cur + charge, prev, window)
     end
-  else
-    local charge = tonumber(ARGV[base + 2])
-    local window = tonumber(ARGV[base + 3])
-    local idx, cur, prev = sliding_state(key, now, window)
-    sliding_write(key, idx, cur + charge, prev, window)
   end
 end
+"""
+
+_SETTLE_LUA = (
+    _LUA_COMMON
+    + _SETTLE_FN_LUA
+    + """
+settle_keys(0, 0, #KEYS, now_ms())
 return 1
 """
 )
@@ -241,19 +251,29 @@ class Reservation:
         self._settled = False
 
     def commit(self, *, input_tokens: int = 0, output_tokens: int = 0) -> None:
-        charges = {
-            Meter.TOKENS: input_tokens + output_tokens,
-            Meter.TOKENS_INPUT: input_tokens,
-            Meter.TOKENS_OUTPUT: output_tokens,
-        }
-        self._settle(charges)
+        self._settle(self.charges(input_tokens, output_tokens))
 
     def release(self) -> None:
         self._settle({})
 
     def _settle(self, charges: dict) -> None:
+        keys, args = self.take_settle(charges)
+        if keys:
+            lua.run(_SETTLE_LUA, keys, args)
+
+    @staticmethod
+    def charges(input_tokens: int, output_tokens: int) -> dict:
+        return {
+            Meter.TOKENS: input_tokens + output_tokens,
+            Meter.TOKENS_INPUT: input_tokens,
+            Meter.TOKENS_OUTPUT: output_tokens,
+        }
+
+    def take_settle(self, charges: dict) -> tuple[list, list]:
+        """The settle's keys and arguments (for `_SETTLE_FN_LUA`); the reservation counts as
+        settled from here on. Nothing to do: ([], [])."""
         if self._settled:
-            return
+            return [], []
         # Marked before the call: a retry after a lost reply must not drop a
         # gauge twice (it would let one request too many through).
         self._settled = True
@@ -265,8 +285,7 @@ class Reservation:
             elif charges.get(held.meter, 0) > 0:
                 keys.append(held.key)
                 args += ["tokens", charges[held.meter], held.window_ms]
-        if keys:
-            lua.run(_SETTLE_LUA, keys, args)
+        return keys, args
 
 
 def _key(scope: str, rule) -> str:

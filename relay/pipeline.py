@@ -128,10 +128,11 @@ def _dispatch(call: Call, ctx: dict, started: float) -> Outcome:
                 continue
             last_response, last_error = resp, None
             if 200 <= resp.status < 300:
-                breaker.record_success(cand.key_hash)
                 tokens = parse_usage(route.adapter, path, _json_or_empty(resp.body))
-                tier.commit(input_tokens=_input_side(tokens), output_tokens=tokens.output)
-                inbound.commit(input_tokens=_input_side(tokens), output_tokens=tokens.output)
+                # Breaker closed, tier and inbound committed: one Redis round trip.
+                keypool.settle_success(
+                    cand.key_hash, (tier, inbound), input_tokens=_input_side(tokens), output_tokens=tokens.output
+                )
                 return _finish(
                     call,
                     ctx,

@@ -27,6 +27,10 @@ def pool(catalog):
 
 @pytest.fixture
 def round_trips(monkeypatch):
+    # Scripts already loaded, as in a running relay: the very first call of a script on a
+    # server costs a SCRIPT LOAD (redis-py's NOSCRIPT fallback), once per server.
+    for source in (keypool._PICK_LUA, keypool._SUCCESS_LUA):
+        get_redis().script_load(source)
     calls = []
     original = redis.Redis.execute_command
 
@@ -127,3 +131,30 @@ def test_nothing_usable_reports_the_soonest_wait(pool):
     picks = keypool.pick(policy, cands, max_picks=3)
     assert list(picks) == []
     assert 0 < picks.retry_after_ms <= 2000
+
+
+def test_success_closes_the_breaker_and_commits_both_in_one_round_trip(pool, round_trips):
+    policy, cands = pool
+    policy.rate_limit = factories.rate_limit(
+        "in", ("concurrency", 1, 60, "sliding-window"), ("tokens", 100, 60, "sliding-window")
+    )
+    cands[0].key.rate_limit = factories.rate_limit("tier", ("tokens", 100, 60, "sliding-window"))
+    breaker.record_failure("h0", Failure.SERVER)
+    get_redis().hset("relay:breaker:{h0}", "open_until", 0)  # half-open: this pick holds the probe
+    picks = keypool.pick(policy, cands, max_picks=1)
+    cand, tier = next(iter(picks))
+    assert cand.key_hash == "h0"
+    round_trips.clear()
+    keypool.settle_success("h0", (tier, picks.inbound), input_tokens=60, output_tokens=40)
+    assert len(round_trips) == 1
+    assert breaker.snapshot("h0")["state"] == "closed"
+    assert not get_redis().exists("relay:breaker:{h0}:probe")
+    # Both token meters were charged 100 (spent), and the gauge went back down.
+    with pytest.raises(ratelimit.RateLimited) as info:
+        keypool.pick(policy, cands, max_picks=1)
+    assert info.value.meter == "tokens"
+    with pytest.raises(ratelimit.RateLimited):
+        ratelimit.reserve(f"hostkey:{cands[0].key.id}", cands[0].key.rate_limit, subject="x")
+    # Settled once: a later commit or release does nothing.
+    picks.inbound.release()
+    tier.commit(input_tokens=5)
