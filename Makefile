@@ -1,5 +1,5 @@
 # The two commands of the README. Each does its own set-up.
-.PHONY: run test lint bench manage flower
+.PHONY: run test lint bench bench-quick manage flower
 
 run:
 	@bash scripts/run.sh
@@ -20,3 +20,6 @@ manage:
 # Flower for the embedded relay, on 127.0.0.1:5555 only.
 flower:
 	@bash scripts/embedded.sh celery -A relay flower --address=127.0.0.1 --port=5555
+
+bench-quick:
+	@BENCH_QUICK=1 bash scripts/bench.sh

@@ -26,8 +26,7 @@ from batches.models import Attempt, Batch, BatchStatus, Item, ItemState, Shape, 
 from batches.outcomes import Code
 from batches.tools import config as tools_config
 from batches.tools.loop import run_tool_loop
-from policies.models import Policy
-from relay import auth, jsonguard, pipeline
+from relay import auth, catalog, jsonguard, pipeline
 from relay.errors import RelayError
 from usage.pricing import with_batch_price
 from usage.services import record_event
@@ -345,7 +344,7 @@ def _execute(batch: Batch, item: Item, principal, deadline: float, hb: Heartbeat
         auth.recheck(principal)
     except RelayError as exc:  # AuthError, or the token's project is gone
         return _Run(failure=f"batch: credential no longer valid: {exc.message}", code=Code.CREDENTIAL_INVALID)
-    policy = Policy.objects.select_related("rate_limit").filter(pk=batch.policy_id).first() if batch.policy_id else None
+    policy = catalog.policy(batch.policy_id) if batch.policy_id else None
     if policy is None or not policy.enabled:
         return _Run(failure="batch: policy_unavailable", code=Code.POLICY_UNAVAILABLE)
     try:

@@ -342,16 +342,103 @@ def openai_upload(web: harness.Web, key: str, tmp: Path, n: int, item_bytes: int
 # --- the run -----------------------------------------------------------------------------------------
 
 
+# --- issue 11: scale-out, the rate-limited provider ------------------------------------------------
+
+
+def scale_out(stack, web, key, upstream, n: int, latency_ms: float, workers: int, item_bytes: int, procs) -> dict:
+    """`workers` Celery workers (8 slots each; the first one runs the sweeper) drain `n` items at
+    `latency_ms`: items/s against workers x 8 slots / latency."""
+    started = [stack.start_worker()]
+    for i in range(1, workers):
+        started.append(stack.start_worker(name=f"bench{i + 1}", beat=False))
+    procs["workers"] = started
+    try:
+        t = throughput(web, key, upstream, stack.tmp, n, latency_ms, item_bytes, {})
+    finally:
+        for w in started:
+            w.stop()
+        procs.pop("workers", None)
+    ideal = workers * SLOTS / (latency_ms / 1000)
+    return {"workers": workers, "rate": t["rate"], "ideal": ideal, "ratio": t["rate"] / ideal, "tp": t}
+
+
+def rate_limited_drain(web, key, upstream, tmp: Path, n: int, latency_ms: float, key_rps: float) -> dict:
+    """An OpenAI-compatible batch (inline `requests`) for the model whose two host keys the fake
+    upstream limits to `key_rps` requests/s each (429 + Retry-After beyond). The drain rate is the
+    items that completed with 200 divided by the time from the create's answer to the batch's
+    completion, but never less than n / limit (no batch drains faster), against the 2 x key_rps the
+    provider allows: 1.0 means every item went through as fast as the provider lets. Items that
+    failed (429) count for nothing, so a batch that gives up on a busy provider scores low however
+    fast it ends."""
+    from django.db.models import Count, Max
+
+    from batches.models import Batch, Item
+
+    upstream.configure(latency_ms)
+    requests.post(f"{upstream.url}/_bench/config", json={"key_rps": key_rps}, timeout=10).raise_for_status()
+    upstream.reset_stats()
+    records = [
+        {
+            "custom_id": f"rl-{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": dict(harness.chat_body(i), model=harness.RL_MODEL),
+        }
+        for i in range(n)
+    ]
+    body = {"endpoint": "/v1/chat/completions", "completion_window": "24h", "requests": records}
+    t0 = time.time()
+    resp = requests.post(f"{web.url}/v1/batches", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=120)
+    t_created = time.time()
+    if resp.status_code not in (200, 202):
+        return {"skipped": f"POST /v1/batches answered {resp.status_code}: {resp.text[:300]}"}
+    batch_pk = resp.json()["id"].removeprefix("batch_")
+    limit = 2 * key_rps
+    wait_completed(batch_pk, timeout=max(600, n / limit * 20))
+    batch = Batch.objects.get(pk=batch_pk)
+    items = Item.objects.filter(batch_id=batch_pk)
+    states = {row["state"]: row["n"] for row in items.values("state").annotate(n=Count("id"))}
+    ok = items.filter(state="completed", status_code=200)
+    n_ok = ok.count()
+    last = items.aggregate(last=Max("finished_at"))["last"]
+    end = batch.completed_at or last
+    seconds = max(end.timestamp() - t_created, 1e-3) if end else float("nan")
+    codes = {row["status_code"]: row["n"] for row in items.values("status_code").annotate(n=Count("id"))}
+    stats = upstream.stats()
+    requests.post(f"{upstream.url}/_bench/config", json={"key_rps": 5}, timeout=10)
+    rate = n_ok / max(seconds, n / limit) if n_ok and seconds > 0 else 0.0
+    return {
+        "n": n,
+        "key_rps": key_rps,
+        "limit": limit,
+        "ok": n_ok,
+        "rate": rate,
+        "fraction": rate / limit,
+        "seconds": seconds,
+        "batch_seconds": end.timestamp() - t0 if end else float("nan"),
+        "states": states,
+        "status_codes": codes,
+        "upstream_requests": stats["requests"],
+        "upstream_429": stats.get("rate_limited", 0),
+    }
+
+
 def run() -> dict:
     n = env_int("BENCH_ITEMS", 50_000)
     item_bytes = env_int("BENCH_ITEM_BYTES", 650)
     tp_n = env_int("BENCH_THROUGHPUT_ITEMS", 2_000)
     latency = env_float("BENCH_LATENCY_MS", 100)
     ceiling_n = env_int("BENCH_CEILING_ITEMS", 1_000)
+    large_n = env_int("BENCH_DRAIN_LARGE_ITEMS", 50_000)
+    scale_n = env_int("BENCH_SCALE_ITEMS", 400)
+    scale_latency = env_float("BENCH_SCALE_LATENCY_MS", 1000)
+    scale_workers = [int(x) for x in (os.environ.get("BENCH_SCALE_WORKERS") or "1,2,3").split(",") if x.strip()]
+    rl_n = env_int("BENCH_RL_ITEMS", 200)
+    rl_rps = env_float("BENCH_RL_KEY_RPS", 5)
     via_worker = os.environ.get("BENCH_RESULTS_VIA_WORKER") == "1"
     started = time.monotonic()
     r: dict = {"n": n, "via_worker": via_worker}
-    with harness.Stack(db_name="relay_bench_batch", redis_db=env_int("BENCH_REDIS_DB_BATCH", 10)) as stack:
+    with harness.Stack(db_name=harness.db_name("_batch"), redis_db=env_int("BENCH_REDIS_DB_BATCH", 10)) as stack:
         stack.keep_db = os.environ.get("BENCH_KEEP_DB") == "1"
         log(f"fresh database {stack.db_name}, Redis db {stack.redis_db}; migrating")
         stack.fresh()
@@ -364,6 +451,7 @@ def run() -> dict:
             "web (gunicorn)": lambda: harness.process_tree(web.proc.popen.pid),
             "worker (celery)": lambda: harness.process_tree(procs["worker"].popen.pid) if "worker" in procs else [],
             "postgres": lambda: harness.pg_backends(stack.db_name),
+            "redis (whole server)": lambda: harness.redis_server_pids(stack.redis_url),
             "fake upstream": lambda: [upstream.proc.popen.pid],
             "this client": lambda: [os.getpid()],
         }
@@ -404,8 +492,20 @@ def run() -> dict:
         if ceiling_n > 0:
             log(f"b. worker ceiling: {ceiling_n} items at 0 ms upstream latency")
             r["tp0"] = throughput(web, key, upstream, stack.tmp, ceiling_n, 0, item_bytes, cpu_groups)
+        if large_n > 0:
+            log(f"b. drain of a large batch: {large_n} items at {latency:g} ms upstream latency")
+            r["tp_large"] = throughput(web, key, upstream, stack.tmp, large_n, latency, item_bytes, cpu_groups)
+        if rl_n > 0:
+            log(f"f. rate-limited provider: {rl_n} items, 2 keys x {rl_rps:g} req/s (429 + Retry-After beyond)")
+            r["rl"] = rate_limited_drain(web, key, upstream, stack.tmp, rl_n, latency, rl_rps)
         worker.stop()
         procs.pop("worker")
+
+        # e. scale-out at a latency where CPU is not the limit
+        r["scale"] = []
+        for w in scale_workers:
+            log(f"e. scale-out: {w} worker(s) x {SLOTS} slots, {scale_n} items at {scale_latency:g} ms")
+            r["scale"].append(scale_out(stack, web, key, upstream, scale_n, scale_latency, w, item_bytes, procs))
 
         # d. OpenAI-compatible upload (no worker running: that batch is never executed)
         if os.environ.get("BENCH_SKIP_OPENAI_UPLOAD") == "1":
@@ -421,7 +521,8 @@ def run() -> dict:
 def print_report(r: dict) -> None:
     n = r["n"]
     print()
-    print(f"== Batch API (issue 4) — {harness.machine()}, {time.strftime('%Y-%m-%d %H:%M')}")
+    print(f"== Batch API (issues 4, 11) — {harness.machine()}, {time.strftime('%Y-%m-%d %H:%M')}")
+    print(f"load at the end: {harness.load()}")
     s = r["submit"]
     print(f"a. submit {n:,} items ({r['body_bytes'] / harness.MiB:.1f} MiB) -> 202 in {s['seconds']:.2f} s")
     print(f"   web memory: {fmt_mem(s['mem'])}; other worker at rest")
@@ -463,6 +564,37 @@ def print_report(r: dict) -> None:
         t0 = r["tp0"]
         print(f"   worker ceiling, {t0['n']:,} items at 0 ms upstream latency: {t0['rate']:.1f} items/s")
         _print_tp_details(t0)
+    if "tp_large" in r:
+        tl = r["tp_large"]
+        print(
+            f"b″. drain of a large batch, {tl['n']:,} items at {tl['latency_ms']:g} ms: {tl['rate']:.1f} items/s = "
+            f"{tl['rate'] / tl['ceiling']:.2f} of {tl['ceiling']:.0f} items/s (vs {t['rate'] / t['ceiling']:.2f} "
+            f"at {t['n']:,} items)"
+        )
+        _print_tp_details(tl)
+    for sc in r.get("scale", []):
+        print(
+            f"e. scale-out, {sc['workers']} worker(s) x {SLOTS} slots at {sc['tp']['latency_ms']:g} ms, "
+            f"{sc['tp']['n']:,} items: {sc['rate']:.2f} items/s = {sc['ratio']:.2f} of {sc['ideal']:.0f} items/s "
+            f"(target >= 0.95); at most {sc['tp']['upstream_max_in_flight']} in flight upstream"
+        )
+    if "rl" in r:
+        rl = r["rl"]
+        if "skipped" in rl:
+            print(f"f. rate-limited provider: {rl['skipped']}")
+        else:
+            print(
+                f"f. rate-limited provider (2 keys x {rl['key_rps']:g} req/s, 429 + Retry-After beyond), "
+                f"{rl['n']} items (OpenAI-compatible surface): {rl['ok']} of {rl['n']} completed with 200, batch done "
+                f"in {rl['seconds']:.1f} s: drain {rl['rate']:.2f} items/s = {rl['fraction']:.2f} of the "
+                f"{rl['limit']:g} items/s limit (time counted as at least n / limit)"
+            )
+            states = ", ".join(f"{k} {v}" for k, v in sorted(rl["states"].items()))
+            codes = ", ".join(f"{k}: {v}" for k, v in sorted(rl["status_codes"].items(), key=lambda kv: str(kv[0])))
+            print(
+                f"   items: {states}; status codes {codes}; upstream saw {rl['upstream_requests']} requests, "
+                f"answered {rl['upstream_429']} with 429; create -> batch completed {rl['batch_seconds']:.1f} s"
+            )
     o = r["openai"]
     if "skipped" in o:
         print(f"d. OpenAI-compatible {n:,}-record JSONL upload + create: {o['skipped']}")

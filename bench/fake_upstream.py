@@ -7,33 +7,70 @@ Differences from the plain demo upstream, all for benchmarking:
 - every reply waits `delay` seconds (changeable at run time: POST /_bench/config {"delay_ms": 100});
 - it keeps no copy of the requests it saw (the test server records them all: 50,000 would grow memory);
 - a listen backlog of 512 (socketserver's default of 5 drops SYNs under bursts, which costs a 1 s retry);
-- GET /_bench/stats → {"requests", "max_in_flight", "in_flight"}; POST /_bench/reset zeroes them.
+- GET /_bench/stats → {"requests", "max_in_flight", "in_flight", "rate_limited"}; POST /_bench/reset
+  zeroes them;
+- per-key rate limiting, like a provider's tier: a key whose value starts with `sk-bench-rl-` may make
+  `key_rps` requests per second (sliding 1 s window, default 5; `--key-rps`, or POST /_bench/config
+  {"key_rps": 5}); beyond that it gets 429 with `Retry-After` (whole seconds, at least 1) and an
+  OpenAI-style `rate_limit_exceeded` error body, as OpenAI answers. Other keys are never limited.
 It stays a ThreadingHTTPServer (one thread per connection), like the suite's fake.
 """
 
 import argparse
 import json
+import math
 import signal
 import sys
+import time
 from collections import deque
 
 from relay.demo_upstream import DemoUpstream, Reply, _Handler
+
+LIMITED_PREFIX = "sk-bench-rl-"
 
 
 class BenchUpstream(DemoUpstream):
     request_queue_size = 512
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, delay: float = 0.0):
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, delay: float = 0.0, key_rps: float = 5.0):
         super().__init__(host, port)
         self.RequestHandlerClass = _BenchHandler
         self.delay = delay
         self.received = deque(maxlen=0)  # appends are dropped: constant memory
         self.count = 0
+        self.key_rps = key_rps
+        self.rate_limited = 0
+        self.accepted_at: dict[str, deque] = {}  # limited key -> times of its accepted requests
 
     def next_reply(self, key: str) -> Reply:
         with self.lock:
             self.count += 1
+            if key.startswith(LIMITED_PREFIX):
+                wait = self._over_limit(key, time.monotonic())
+                if wait is not None:
+                    self.rate_limited += 1
+                    return Reply(
+                        status=429,
+                        headers={"Retry-After": max(1, math.ceil(wait))},
+                        body={
+                            "error": {
+                                "message": f"Rate limit reached: {self.key_rps:g} requests per second per key.",
+                                "type": "requests",
+                                "code": "rate_limit_exceeded",
+                            }
+                        },
+                    )
         return Reply(delay=self.delay)
+
+    def _over_limit(self, key: str, now: float) -> float | None:
+        """Sliding 1 s window of accepted requests per key (called with the lock held)."""
+        times = self.accepted_at.setdefault(key, deque())
+        while times and times[0] <= now - 1.0:
+            times.popleft()
+        if len(times) >= self.key_rps:
+            return times[0] + 1.0 - now
+        times.append(now)
+        return None
 
 
 class _BenchHandler(_Handler):
@@ -50,7 +87,12 @@ class _BenchHandler(_Handler):
     def _stats(self) -> dict:
         srv = self.server
         with srv.lock:
-            return {"requests": srv.count, "max_in_flight": srv.max_in_flight, "in_flight": srv.in_flight}
+            return {
+                "requests": srv.count,
+                "max_in_flight": srv.max_in_flight,
+                "in_flight": srv.in_flight,
+                "rate_limited": srv.rate_limited,
+            }
 
     def do_GET(self):
         if self.path == "/_bench/stats":
@@ -65,10 +107,13 @@ class _BenchHandler(_Handler):
         srv = self.server
         if self.path == "/_bench/config":
             srv.delay = float(body.get("delay_ms", srv.delay * 1000)) / 1000.0
-            return self._json(200, {"delay_ms": srv.delay * 1000})
+            srv.key_rps = float(body.get("key_rps", srv.key_rps))
+            return self._json(200, {"delay_ms": srv.delay * 1000, "key_rps": srv.key_rps})
         if self.path == "/_bench/reset":
             with srv.lock:
                 srv.count = 0
+                srv.rate_limited = 0
+                srv.accepted_at.clear()
                 srv.max_in_flight = srv.in_flight
             return self._json(200, self._stats())
         return self._json(404, {"error": {"message": f"no route {self.path}"}})
@@ -78,8 +123,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--delay-ms", type=float, default=0.0)
+    parser.add_argument("--key-rps", type=float, default=5.0)
     args = parser.parse_args()
-    server = BenchUpstream(port=args.port, delay=args.delay_ms / 1000.0)
+    server = BenchUpstream(port=args.port, delay=args.delay_ms / 1000.0, key_rps=args.key_rps)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     print(f"READY {server.url}", flush=True)
     try:

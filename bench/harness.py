@@ -43,6 +43,12 @@ def log(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
+def db_name(suffix: str = "") -> str:
+    """relay_bench<suffix>; BENCH_DB_PREFIX replaces `relay_bench`, so two checkouts can run
+    benchmarks on one PostgreSQL at once."""
+    return _check_name(os.environ.get("BENCH_DB_PREFIX") or "relay_bench") + suffix
+
+
 # --- configuration of the app processes -----------------------------------------------------------
 
 
@@ -130,12 +136,13 @@ class Stack:
 
     # --- processes ---
 
-    def spawn(self, name: str, args: list, *, pass_fds=(), stdout=None) -> "Proc":
+    def spawn(self, name: str, args: list, *, pass_fds=(), stdout=None, env: dict | None = None) -> "Proc":
+        """`env`: the child's whole environment (default: ours plus the app's settings)."""
         logfile = self.tmp / f"{name}.log"
         out = open(logfile, "wb")  # noqa: SIM115 - closed in Proc.stop()
         popen = subprocess.Popen(
             args,
-            env={**os.environ, **self.app_env()},
+            env=env if env is not None else {**os.environ, **self.app_env()},
             cwd=ROOT,
             stdout=stdout if stdout is not None else out,
             stderr=out,
@@ -177,14 +184,18 @@ class Stack:
         web.wait_ready()
         return web
 
-    def start_worker(self) -> "Proc":
-        """The relay's background processes as in production (relay.processes.fleet: the 8-slot item
-        worker, the control worker, beat); returns the item worker."""
+    def start_worker(self, name: str = "bench", beat: bool = True) -> "Proc":
+        """An item worker as in production (relay.processes: 8 prefork slots on queue `batch`). With
+        `beat` (the first of a fleet) also the control worker and beat, as compose.yaml declares them
+        once per deployment. Returns the item worker."""
         started = {}
-        for role, argv in fleet(PY, "bench", schedule=str(self.tmp / "celerybeat-schedule")):
-            started[role] = self.spawn(role, argv)
+        for role, argv in fleet(PY, name, schedule=str(self.tmp / "celerybeat-schedule")):
+            if role == "worker" or beat:
+                started[role] = self.spawn(f"{role}-{name}", argv)
         for role in ("worker", "control"):
-            proc = started[role]
+            proc = started.get(role)
+            if proc is None:
+                continue
             deadline = time.monotonic() + 90
             while b" ready." not in proc.logfile.read_bytes():
                 if proc.popen.poll() is not None:
@@ -395,6 +406,9 @@ def _pid_alive(pid: int) -> bool:
 UPSTREAM_KEY = "bench-upstream-key"
 MODEL = "gpt-4o"
 UPSTREAM_MODEL = "gpt-4o-2024-08-06"
+# The rate-limited provider: its own host and model, two keys the fake upstream limits per key.
+RL_MODEL = "gpt-4o-rl"
+RL_KEYS = ("sk-bench-rl-a", "sk-bench-rl-b")
 
 
 def seed_catalog(upstream_url: str) -> str:
@@ -431,6 +445,17 @@ def seed_catalog(upstream_url: str) -> str:
         )
     policy = Policy.objects.create(name="bench", project=project, grants=["*"], rate_limit=rl)
     PolicyHostKey.objects.create(policy=policy, host_key=key, position=0)
+    # The rate-limited provider (bench/fake_upstream.py limits keys named sk-bench-rl-*).
+    rl_host = Host.objects.create(name="openai-rl", base_url=upstream_url)
+    rl_model = LLMModel.objects.create(name=RL_MODEL, provider="openai")
+    HostBinding.objects.create(
+        model=rl_model, host=rl_host, adapter="openai", upstream_name=UPSTREAM_MODEL, pricing=price
+    )
+    for i, value in enumerate(RL_KEYS):
+        rl_key = HostKey(name=f"openai-rl-{i}", host=rl_host)
+        rl_key.set_value(value)
+        rl_key.save()
+        PolicyHostKey.objects.create(policy=policy, host_key=rl_key, position=1 + i)
     sa.policy = policy
     sa.save()
     _, plaintext = create_relay_key(service_account=sa, name="bench")
@@ -709,3 +734,19 @@ def _die_with_parent() -> None:
     """In the child, before exec: get SIGTERM if the benchmark process dies without cleaning up."""
     with contextlib.suppress(Exception):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def redis_server_pids(url: str) -> list[int]:
+    """The Redis server's pid when it runs on this machine (its CPU is the whole server's, shared
+    with anybody else using it)."""
+    try:
+        pid = int(_redis(url).info("server").get("process_id", 0))
+    except Exception:
+        return []
+    return [pid] if pid and Path(f"/proc/{pid}").exists() else []
+
+
+def load() -> str:
+    """The machine's load as `uptime` prints it (1, 5, 15 min), with the number of cores."""
+    one, five, fifteen = os.getloadavg()
+    return f"load average {one:.2f}, {five:.2f}, {fifteen:.2f} on {os.cpu_count()} cores"

@@ -15,6 +15,10 @@ Then, from this process, with one keep-alive requests.Session per target:
    difference (relay - direct = the relay's overhead);
 2. throughput: 8 client threads for a fixed time against each target; requests/s.
 
+The peer: LiteLLM's proxy (bench/peer_litellm.py, its own virtualenv, 2 workers) on the same fake
+upstream joins both measurements as a third target (relay, LiteLLM, direct rotating), so its
+overhead is printed beside ours; when it cannot be installed or started, the reason is printed.
+
 Knobs (environment): BENCH_LIVE_N (500), BENCH_LIVE_WARMUP (50), BENCH_LIVE_CONCURRENCY (8),
 BENCH_LIVE_SECONDS (5), BENCH_LIVE_UPSTREAM_DELAY_MS (0).
 Prints figures; asserts nothing about timings.
@@ -26,7 +30,7 @@ import time
 
 import requests
 
-from bench import harness
+from bench import harness, peer_litellm
 from bench.harness import env_float, env_int, log, percentile
 
 
@@ -99,7 +103,7 @@ def run() -> dict:
     seconds = env_float("BENCH_LIVE_SECONDS", 5)
     delay_ms = env_float("BENCH_LIVE_UPSTREAM_DELAY_MS", 0)
     started = time.monotonic()
-    with harness.Stack(db_name="relay_bench", redis_db=env_int("BENCH_REDIS_DB_LIVE", 9)) as stack:
+    with harness.Stack(db_name=harness.db_name(), redis_db=env_int("BENCH_REDIS_DB_LIVE", 9)) as stack:
         log(f"fresh database {stack.db_name}, Redis db {stack.redis_db}; migrating")
         stack.fresh()
         upstream = stack.start_upstream(delay_ms)
@@ -116,22 +120,43 @@ def run() -> dict:
             {"Authorization": f"Bearer {harness.UPSTREAM_KEY}"},
         )
 
-        relay_s, direct_s = requests.Session(), requests.Session()
-        log(f"sequential: {warmup} warm-up pairs, then {n} pairs (relay, direct alternating)")
+        peer, peer_skip = None, ""
+        try:
+            log("starting the peer: LiteLLM's proxy on the same fake upstream")
+            peer = peer_litellm.start(stack, upstream.url)
+            log(f"LiteLLM {peer.version} on {peer.url}")
+        except peer_litellm.Skip as exc:
+            peer_skip = str(exc)
+            log(f"peer skipped: {peer_skip}")
+
+        targets = [("relay", relay_url, relay_headers, body)]
+        if peer is not None:
+            targets.append(("litellm", f"{peer.url}/v1/chat/completions", peer.headers, body))
+        targets.append(("direct", direct_url, direct_headers, direct_body))
+        sessions = {name: requests.Session() for name, *_ in targets}
+        names = " , ".join(name for name, *_ in targets)
+        log(f"sequential: {warmup} warm-up rounds, then {n} rounds ({names} in turn)")
         for _ in range(warmup):
-            _post(relay_s, relay_url, relay_headers, body)
-            _post(direct_s, direct_url, direct_headers, direct_body)
-        relay_t, direct_t = [], []
+            for name, url, headers, b in targets:
+                _post(sessions[name], url, headers, b)
+        times: dict[str, list[float]] = {name: [] for name, *_ in targets}
         with harness.CpuWatch(cpu_groups(stack, web, upstream)) as seq_cpu:
             for _ in range(n):
-                relay_t.append(_post(relay_s, relay_url, relay_headers, body))
-                direct_t.append(_post(direct_s, direct_url, direct_headers, direct_body))
-        relay_s.close()
-        direct_s.close()
+                for name, url, headers, b in targets:
+                    times[name].append(_post(sessions[name], url, headers, b))
+        for sess in sessions.values():
+            sess.close()
+        relay_t, direct_t = times["relay"], times["direct"]
         diff = [r - d for r, d in zip(relay_t, direct_t, strict=True)]
+        peer_t = times.get("litellm")
+        peer_diff = [r - d for r, d in zip(peer_t, direct_t, strict=True)] if peer_t else None
 
         log(f"throughput: {conc} threads x {seconds:g} s per target")
         direct_tp = _throughput(direct_url, direct_headers, direct_body, conc, seconds)
+        peer_tp = None
+        if peer is not None:
+            peer_tp = _throughput(f"{peer.url}/v1/chat/completions", peer.headers, body, conc, seconds)
+            peer.proc.stop()  # off the CPU before the relay's run
         with harness.CpuWatch(cpu_groups(stack, web, upstream)) as tp_cpu:
             relay_tp = _throughput(relay_url, relay_headers, body, conc, seconds)
 
@@ -151,6 +176,20 @@ def run() -> dict:
         "overhead_p99": percentile(diff, 99) * ms,
         "relay_tp": relay_tp,
         "direct_tp": direct_tp,
+        "peer": (
+            {
+                "version": peer.version,
+                "median": percentile(peer_t, 50) * ms,
+                "p99": percentile(peer_t, 99) * ms,
+                "overhead_median": percentile(peer_diff, 50) * ms,
+                "overhead_p99": percentile(peer_diff, 99) * ms,
+                "tp": peer_tp,
+            }
+            if peer is not None
+            else None
+        ),
+        "peer_skip": peer_skip,
+        "load": harness.load(),
         "conc": conc,
         "seconds": seconds,
         "events": events,
@@ -165,25 +204,33 @@ def run() -> dict:
 
 def print_report(r: dict) -> None:
     print()
-    print(f"== Live overhead (issue 3) — {harness.machine()}, {time.strftime('%Y-%m-%d %H:%M')}")
+    print(f"== Live overhead (issues 3, 11) — {harness.machine()}, {time.strftime('%Y-%m-%d %H:%M')}")
+    print(f"load at the end: {r['load']}")
     print(
         f"POST /v1/chat/completions, fake upstream at {r['delay_ms']:g} ms; sequential: {r['n']} requests each, "
         "one keep-alive session per target"
     )
-    print(
-        harness.table(
-            ["sequential latency", "median ms", "p99 ms"],
-            [
-                ["direct to fake upstream", f"{r['direct_median']:.2f}", f"{r['direct_p99']:.2f}"],
-                ["through the relay", f"{r['relay_median']:.2f}", f"{r['relay_p99']:.2f}"],
-                ["relay overhead (per-pair difference)", f"{r['overhead_median']:.2f}", f"{r['overhead_p99']:.2f}"],
-            ],
-        )
-    )
+    p = r["peer"]
+    rows = [
+        ["direct to fake upstream", f"{r['direct_median']:.2f}", f"{r['direct_p99']:.2f}"],
+        ["through the relay", f"{r['relay_median']:.2f}", f"{r['relay_p99']:.2f}"],
+        ["relay overhead (per-round difference)", f"{r['overhead_median']:.2f}", f"{r['overhead_p99']:.2f}"],
+    ]
+    if p is not None:
+        rows += [
+            [f"through LiteLLM {p['version']} (peer)", f"{p['median']:.2f}", f"{p['p99']:.2f}"],
+            ["LiteLLM overhead (per-round difference)", f"{p['overhead_median']:.2f}", f"{p['overhead_p99']:.2f}"],
+        ]
+    print(harness.table(["sequential latency", "median ms", "p99 ms"], rows))
+    if p is None:
+        print(f"peer (LiteLLM) skipped: {r['peer_skip']}")
     print(r["seq_cpu"])
     print()
     rows = []
-    for label, t in (("direct to fake upstream", r["direct_tp"]), ("through the relay", r["relay_tp"])):
+    runs = [("direct to fake upstream", r["direct_tp"]), ("through the relay", r["relay_tp"])]
+    if p is not None:
+        runs.append((f"through LiteLLM {p['version']}", p["tp"]))
+    for label, t in runs:
         rows.append([label, f"{t['rps']:.0f}", f"{t['median_ms']:.2f}", f"{t['p99_ms']:.2f}", t["errors"]])
     headers = [f"concurrency {r['conc']}, {r['seconds']:g} s", "requests/s", "median ms", "p99 ms", "errors"]
     print(harness.table(headers, rows))

@@ -25,11 +25,8 @@ ladder, so eight concurrent 401s do not jump straight to an hour.
 from __future__ import annotations
 
 import enum
-from functools import lru_cache
 
-import redis
-from redis.commands.core import Script
-
+from policies import lua
 from relay.redis import get_redis
 
 AUTH_LADDER_S = (60, 300, 900, 3600)
@@ -58,25 +55,34 @@ _REASONS = {
     Failure.RATE_LIMITED: "upstream_rate_limited",
 }
 
-_LUA_NOW = """
-local function now_ms()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+_LUA_NOW = lua.NOW_MS
+
+# The half-open decision as a Lua function, also used by the key pick (policies.keypool.pick).
+# Returns 1 (closed: go), 2 (half-open: go, holding the probe) or 0 (refused), and when
+# refused the ms until the cooldown ends (-1: another caller holds the probe).
+ACQUIRE_FN_LUA = """
+local function breaker_acquire(state_key, probe_key, probe_ttl, now)
+  local s = redis.call('HMGET', state_key, 'state', 'open_until')
+  local state = s[1]
+  if not state or state == 'closed' then return 1, 0 end
+  if state == 'open' then
+    local until_ms = tonumber(s[2])
+    if now < until_ms then return 0, until_ms - now end
+    redis.call('HSET', state_key, 'state', 'half_open')
+  end
+  if redis.call('SET', probe_key, '1', 'NX', 'PX', probe_ttl) then return 2, 0 end
+  -- Another caller holds the half-open probe: its answer is due within one request; look again then.
+  return 0, 1000
 end
 """
 
 # KEYS: state, probe. ARGV: probe TTL ms. Returns 1 when the caller may use the key.
 _ACQUIRE_LUA = (
     _LUA_NOW
+    + ACQUIRE_FN_LUA
     + """
-local s = redis.call('HMGET', KEYS[1], 'state', 'open_until')
-local state = s[1]
-if not state or state == 'closed' then return 1 end
-if state == 'open' then
-  if now_ms() < tonumber(s[2]) then return 0 end
-  redis.call('HSET', KEYS[1], 'state', 'half_open')
-end
-if redis.call('SET', KEYS[2], '1', 'NX', 'PX', ARGV[1]) then return 1 end
+local ok = breaker_acquire(KEYS[1], KEYS[2], ARGV[1], now_ms())
+if ok > 0 then return 1 end
 return 0
 """
 )
@@ -131,12 +137,6 @@ return {s[1] or 'closed', s[2] or '', s[3] or '0', s[4] or '', tostring(now_ms()
 )
 
 
-@lru_cache(maxsize=8)
-def _script(client: redis.Redis, source: str) -> Script:
-    # One Script per client: redis-py hashes the source once and then runs it by SHA.
-    return client.register_script(source)
-
-
 def _keys(key_hash: str) -> list[str]:
     state = f"relay:breaker:{{{key_hash}}}"
     return [state, f"{state}:probe"]
@@ -150,8 +150,7 @@ def try_acquire(key_hash: str) -> bool:
     `record_failure`; otherwise the key stays benched until the probe expires
     (`PROBE_TTL_MS`).
     """
-    client = get_redis()
-    return bool(_script(client, _ACQUIRE_LUA)(keys=_keys(key_hash), args=[PROBE_TTL_MS], client=client))
+    return bool(lua.run(_ACQUIRE_LUA, _keys(key_hash), [PROBE_TTL_MS]))
 
 
 def record_success(key_hash: str) -> None:
@@ -180,16 +179,14 @@ def record_failure(key_hash: str, failure: Failure, retry_after: float | None = 
         fixed, ladder = str(round(retry_after * 1000)), ()
     else:
         fixed, ladder = "", AUTH_LADDER_S if failure is Failure.AUTH else BACKOFF_LADDER_S
-    client = get_redis()
     args = [_REASONS[failure], fixed, STATE_TTL_MS, *(s * 1000 for s in ladder)]
-    _script(client, _FAILURE_LUA)(keys=_keys(key_hash), args=args, client=client)
+    lua.run(_FAILURE_LUA, _keys(key_hash), args)
 
 
 def snapshot(key_hash: str) -> dict:
     """The breaker as the next `try_acquire` would see it: an open breaker whose
     cooldown is over reads as half-open. `open_until` is epoch seconds."""
-    client = get_redis()
-    state, open_until, step, reason, now = _script(client, _SNAPSHOT_LUA)(keys=_keys(key_hash)[:1], client=client)
+    state, open_until, step, reason, now = lua.run(_SNAPSHOT_LUA, _keys(key_hash)[:1], [])
     until = float(open_until) if open_until else None
     if state == "open" and until is not None and int(now) >= until:
         state = "half_open"
@@ -199,19 +196,3 @@ def snapshot(key_hash: str) -> dict:
         "step": int(step),
         "reason": reason,
     }
-
-
-def retry_in(key_hash: str) -> float:
-    """Seconds until `try_acquire` may let a caller use the key: the rest of an open cooldown, or a
-    short pause while another caller holds the half-open probe. 0 when closed."""
-    snap = snapshot(key_hash)
-    if snap["state"] == "open" and snap["open_until"] is not None:
-        return max(0.0, snap["open_until"] - _server_seconds())
-    if snap["state"] == "half_open":
-        return 1.0  # the probe's answer is due within one request; look again then
-    return 0.0
-
-
-def _server_seconds() -> float:
-    seconds, micros = get_redis().time()
-    return seconds + micros / 1_000_000

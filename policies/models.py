@@ -4,6 +4,8 @@ from django.db import models
 from django.db.models import Q
 from django.utils import timezone
 
+from relay.catalog import CatalogQuerySet
+
 
 class Meter(models.TextChoices):
     REQUESTS = "requests"
@@ -29,6 +31,8 @@ class RateLimit(models.Model):
     name = models.SlugField(max_length=100, unique=True)
     enabled = models.BooleanField(default=True)
 
+    objects = CatalogQuerySet.as_manager()  # bulk writes bump the catalog generation
+
     def __str__(self):
         return self.name
 
@@ -41,6 +45,8 @@ class RateLimitRule(models.Model):
     amount = models.PositiveBigIntegerField()
     window_seconds = models.PositiveIntegerField()
     strategy = models.CharField(max_length=32, choices=Strategy.choices, default=Strategy.SLIDING_WINDOW)
+
+    objects = CatalogQuerySet.as_manager()  # bulk writes bump the catalog generation
 
     class Meta:
         ordering = ["id"]
@@ -78,6 +84,8 @@ class Policy(models.Model):
     batch_enabled = models.BooleanField(default=True)
     created_at = models.DateTimeField(default=timezone.now)
 
+    objects = CatalogQuerySet.as_manager()  # bulk writes bump the catalog generation
+
     class Meta:
         verbose_name_plural = "policies"
         constraints = [
@@ -90,14 +98,27 @@ class Policy(models.Model):
         return self.name
 
     def pool(self):
-        """Host keys in declared order (order matters for `prioritized`)."""
-        return [link.host_key for link in self.pool_links.select_related("host_key__host").order_by("position")]
+        """Host keys in declared order (order matters for `prioritized`), with their rate limits.
+
+        An instance from the catalog cache (relay.catalog) carries its pool, read once
+        at the catalog generation the instance belongs to."""
+        cached = self.__dict__.get("_pool_memo")
+        if cached is not None:
+            return cached
+        links = (
+            self.pool_links.select_related("host_key__host", "host_key__rate_limit")
+            .prefetch_related("host_key__rate_limit__rules")
+            .order_by("position")
+        )
+        return [link.host_key for link in links]
 
 
 class PolicyHostKey(models.Model):
     policy = models.ForeignKey(Policy, on_delete=models.CASCADE, related_name="pool_links")
     host_key = models.ForeignKey("relay.HostKey", on_delete=models.CASCADE, related_name="+")
     position = models.PositiveIntegerField(default=0)
+
+    objects = CatalogQuerySet.as_manager()  # bulk writes bump the catalog generation
 
     class Meta:
         ordering = ["position"]

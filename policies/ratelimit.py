@@ -27,12 +27,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import TYPE_CHECKING
 
 import redis
-from redis.commands.core import Script
 
+from policies import lua
 from policies.models import Meter, Strategy
 from relay.redis import get_redis
 
@@ -48,13 +47,11 @@ GAUGE_TTL_WINDOWS = 5
 # A spent gauge frees when some request finishes, which no clock predicts.
 CONCURRENCY_RETRY_MS = 1000
 
-# Shared helpers of both scripts. Times are milliseconds of Redis server time.
-_LUA_COMMON = """
-local function now_ms()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
-
+# Shared helpers of every limit script (and of the key pick, policies.keypool.pick, which
+# checks an inbound limit and a key's tier in the same script). Times are ms of Redis server time.
+_LUA_COMMON = (
+    lua.NOW_MS
+    + """
 -- Two-bucket sliding window: the current and the previous window's counts,
 -- rolled forward to the window that contains `now`.
 local function sliding_state(key, now, window)
@@ -74,11 +71,7 @@ local function sliding_write(key, idx, cur, prev, window)
   redis.call('HSET', key, 'idx', idx, 'cur', cur, 'prev', prev)
   redis.call('PEXPIRE', key, window * %(state_ttl)d)
 end
-"""
 
-_RESERVE_LUA = (
-    _LUA_COMMON
-    + """
 -- Milliseconds until cur + prev*(1 - elapsed/window) falls to `limit`
 -- (below it when `strict`). If the current window alone is over the limit,
 -- the wait runs past the roll, where the current count starts to decay.
@@ -93,85 +86,84 @@ local function sliding_wait(cur, prev, elapsed, window, limit, strict)
   return wait
 end
 
--- ARGV holds 4 values per rule (KEYS[i]): kind, amount, window ms, strategy.
--- Every rule is decided before anything is written, so a denial consumes nothing.
-local now = now_ms()
-local apply = {}
-local worst_rule, worst_wait = 0, -1
-for i, key in ipairs(KEYS) do
-  local base = (i - 1) * 4
-  local kind = ARGV[base + 1]
-  local amount = tonumber(ARGV[base + 2])
-  local window = tonumber(ARGV[base + 3])
-  local strategy = ARGV[base + 4]
-  local wait = nil
+-- The rules KEYS[k0+1 .. k0+n] with 4 values each in ARGV from a0+1 (kind, amount,
+-- window ms, strategy). Every rule is decided before anything is written, so a denial
+-- consumes nothing: returns the worst rule (1-based within the set, 0 when all pass),
+-- its wait in ms, and the writes to apply when the caller takes the reservation.
+local function check_rules(k0, a0, n, now)
+  local apply = {}
+  local worst_rule, worst_wait = 0, -1
+  for i = 1, n do
+    local key = KEYS[k0 + i]
+    local base = a0 + (i - 1) * 4
+    local kind = ARGV[base + 1]
+    local amount = tonumber(ARGV[base + 2])
+    local window = tonumber(ARGV[base + 3])
+    local strategy = ARGV[base + 4]
+    local wait = nil
 
-  if kind == 'concurrency' then
-    local inflight = tonumber(redis.call('GET', key) or '0')
-    if inflight + 1 > amount then
-      wait = %(concurrency_retry_ms)d
-    else
-      apply[#apply + 1] = function()
-        redis.call('INCR', key)
-        redis.call('PEXPIRE', key, window * %(gauge_ttl)d)
+    if kind == 'concurrency' then
+      local inflight = tonumber(redis.call('GET', key) or '0')
+      if inflight + 1 > amount then
+        wait = %(concurrency_retry_ms)d
+      else
+        apply[#apply + 1] = function()
+          redis.call('INCR', key)
+          redis.call('PEXPIRE', key, window * %(gauge_ttl)d)
+        end
+      end
+
+    elseif kind == 'tokens' then
+      -- Only checked here; commit charges what the response reports.
+      local idx, cur, prev, elapsed = sliding_state(key, now, window)
+      if cur + prev * (1 - elapsed / window) >= amount then
+        wait = sliding_wait(cur, prev, elapsed, window, amount, true)
+      end
+
+    elseif strategy == 'sliding-window' then
+      local idx, cur, prev, elapsed = sliding_state(key, now, window)
+      if cur + prev * (1 - elapsed / window) + 1 > amount then
+        wait = sliding_wait(cur, prev, elapsed, window, amount - 1, false)
+      else
+        apply[#apply + 1] = function() sliding_write(key, idx, cur + 1, prev, window) end
+      end
+
+    elseif strategy == 'fixed-window' then
+      local idx = math.floor(now / window)
+      local s = redis.call('HMGET', key, 'idx', 'n')
+      local n = 0
+      if tonumber(s[1]) == idx then n = tonumber(s[2]) or 0 end
+      if n + 1 > amount then
+        wait = (idx + 1) * window - now
+      else
+        apply[#apply + 1] = function()
+          redis.call('HSET', key, 'idx', idx, 'n', n + 1)
+          redis.call('PEXPIRE', key, window * %(state_ttl)d)
+        end
+      end
+
+    else -- token-bucket: capacity `amount`, refilled continuously at amount/window
+      local s = redis.call('HMGET', key, 'tokens', 'ts')
+      local tokens = amount
+      if s[1] then
+        tokens = math.min(amount, tonumber(s[1]) + (now - tonumber(s[2])) * amount / window)
+      end
+      if tokens < 1 then
+        wait = (1 - tokens) * window / amount
+      else
+        apply[#apply + 1] = function()
+          redis.call('HSET', key, 'tokens', tokens - 1, 'ts', now)
+          redis.call('PEXPIRE', key, window * %(state_ttl)d)
+        end
       end
     end
 
-  elseif kind == 'tokens' then
-    -- Only checked here; commit charges what the response reports.
-    local idx, cur, prev, elapsed = sliding_state(key, now, window)
-    if cur + prev * (1 - elapsed / window) >= amount then
-      wait = sliding_wait(cur, prev, elapsed, window, amount, true)
-    end
-
-  elseif strategy == 'sliding-window' then
-    local idx, cur, prev, elapsed = sliding_state(key, now, window)
-    if cur + prev * (1 - elapsed / window) + 1 > amount then
-      wait = sliding_wait(cur, prev, elapsed, window, amount - 1, false)
-    else
-      apply[#apply + 1] = function() sliding_write(key, idx, cur + 1, prev, window) end
-    end
-
-  elseif strategy == 'fixed-window' then
-    local idx = math.floor(now / window)
-    local s = redis.call('HMGET', key, 'idx', 'n')
-    local n = 0
-    if tonumber(s[1]) == idx then n = tonumber(s[2]) or 0 end
-    if n + 1 > amount then
-      wait = (idx + 1) * window - now
-    else
-      apply[#apply + 1] = function()
-        redis.call('HSET', key, 'idx', idx, 'n', n + 1)
-        redis.call('PEXPIRE', key, window * %(state_ttl)d)
-      end
-    end
-
-  else -- token-bucket: capacity `amount`, refilled continuously at amount/window
-    local s = redis.call('HMGET', key, 'tokens', 'ts')
-    local tokens = amount
-    if s[1] then
-      tokens = math.min(amount, tonumber(s[1]) + (now - tonumber(s[2])) * amount / window)
-    end
-    if tokens < 1 then
-      wait = (1 - tokens) * window / amount
-    else
-      apply[#apply + 1] = function()
-        redis.call('HSET', key, 'tokens', tokens - 1, 'ts', now)
-        redis.call('PEXPIRE', key, window * %(state_ttl)d)
-      end
+    if wait and wait > worst_wait then
+      worst_rule, worst_wait = i, wait
     end
   end
-
-  if wait and wait > worst_wait then
-    worst_rule, worst_wait = i, wait
-  end
+  return worst_rule, worst_wait, apply
 end
-
-if worst_rule > 0 then
-  return {0, worst_rule, math.ceil(worst_wait)}
-end
-for _, fn in ipairs(apply) do fn() end
-return {1}
 """
 ) % {
     "state_ttl": STATE_TTL_WINDOWS,
@@ -179,36 +171,52 @@ return {1}
     "concurrency_retry_ms": CONCURRENCY_RETRY_MS,
 }
 
+_RESERVE_LUA = (
+    _LUA_COMMON
+    + """local now = now_ms()
+local worst_rule, worst_wait, apply = check_rules(0, 0, #KEYS, now)
+if worst_rule > 0 then
+  return {0, worst_rule, math.ceil(worst_wait)}
+end
+for _, fn in ipairs(apply) do fn() end
+return {1}
+"""
+)
+
 # ARGV holds 3 values per key: kind ('tokens' or 'concurrency'), tokens to
 # charge, window ms.
-_SETTLE_LUA = (
-    _LUA_COMMON
-    + """
-local now = now_ms()
-for i, key in ipairs(KEYS) do
-  local base = (i - 1) * 3
-  local kind = ARGV[base + 1]
-  if kind == 'concurrency' then
-    -- Never below zero: the gauge may have expired under a long request.
-    if tonumber(redis.call('GET', key) or '0') > 0 then
-      redis.call('DECR', key)
+# ARGV holds 3 values per key: kind ('tokens' or 'concurrency'), tokens to
+# charge, window ms. KEYS from k0+1, ARGV from a0+1 (the key pick's success settle
+# puts the breaker's keys first: policies.keypool.settle_success).
+_SETTLE_FN_LUA = """
+local function settle_keys(k0, a0, n, now)
+  for i = 1, n do
+    local key = KEYS[k0 + i]
+    local base = a0 + (i - 1) * 3
+    local kind = ARGV[base + 1]
+    if kind == 'concurrency' then
+      -- Never below zero: the gauge may have expired under a long request.
+      if tonumber(redis.call('GET', key) or '0') > 0 then
+        redis.call('DECR', key)
+      end
+    else
+      local charge = tonumber(ARGV[base + 2])
+      local window = tonumber(ARGV[base + 3])
+      local idx, cur, prev = sliding_state(key, now, window)
+      sliding_write(key, idx, cur + charge, prev, window)
     end
-  else
-    local charge = tonumber(ARGV[base + 2])
-    local window = tonumber(ARGV[base + 3])
-    local idx, cur, prev = sliding_state(key, now, window)
-    sliding_write(key, idx, cur + charge, prev, window)
   end
 end
+"""
+
+_SETTLE_LUA = (
+    _LUA_COMMON
+    + _SETTLE_FN_LUA
+    + """
+settle_keys(0, 0, #KEYS, now_ms())
 return 1
 """
-) % {"state_ttl": STATE_TTL_WINDOWS}
-
-
-@lru_cache(maxsize=8)
-def _script(client: redis.Redis, source: str) -> Script:
-    # One Script per client: redis-py hashes the source once and then runs it by SHA.
-    return client.register_script(source)
+)
 
 
 class RateLimited(Exception):
@@ -246,19 +254,29 @@ class Reservation:
         self._settled = False
 
     def commit(self, *, input_tokens: int = 0, output_tokens: int = 0) -> None:
-        charges = {
-            Meter.TOKENS: input_tokens + output_tokens,
-            Meter.TOKENS_INPUT: input_tokens,
-            Meter.TOKENS_OUTPUT: output_tokens,
-        }
-        self._settle(charges)
+        self._settle(self.charges(input_tokens, output_tokens))
 
     def release(self) -> None:
         self._settle({})
 
     def _settle(self, charges: dict) -> None:
+        keys, args = self.take_settle(charges)
+        if keys:
+            lua.run(_SETTLE_LUA, keys, args)
+
+    @staticmethod
+    def charges(input_tokens: int, output_tokens: int) -> dict:
+        return {
+            Meter.TOKENS: input_tokens + output_tokens,
+            Meter.TOKENS_INPUT: input_tokens,
+            Meter.TOKENS_OUTPUT: output_tokens,
+        }
+
+    def take_settle(self, charges: dict) -> tuple[list, list]:
+        """The settle's keys and arguments (for `_SETTLE_FN_LUA`); the reservation counts as
+        settled from here on. Nothing to do: ([], [])."""
         if self._settled:
-            return
+            return [], []
         # Marked before the call: a retry after a lost reply must not drop a
         # gauge twice (it would let one request too many through).
         self._settled = True
@@ -270,9 +288,7 @@ class Reservation:
             elif charges.get(held.meter, 0) > 0:
                 keys.append(held.key)
                 args += ["tokens", charges[held.meter], held.window_ms]
-        if keys:
-            client = get_redis()
-            _script(client, _SETTLE_LUA)(keys=keys, args=args, client=client)
+        return keys, args
 
 
 def _key(scope: str, rule) -> str:
@@ -293,38 +309,67 @@ def _kind(meter: str) -> str:
 DENIALS_KEY = "relay:metrics:ratelimit_denials"
 
 
-def _count_denial(client, scope: str, meter: str) -> None:
+def count_denial(scope: str, meter: str) -> None:
     try:
-        client.hincrby(DENIALS_KEY, f"{scope}|{meter}", 1)
+        get_redis().hincrby(DENIALS_KEY, f"{scope}|{meter}", 1)
     except redis.RedisError:  # a metric never turns a 429 into a 500
         pass
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a reservation under one scope checks: its Redis keys, script arguments, rules."""
+
+    keys: list
+    args: list
+    rules: list
+    subject: str
+    scope: str = ""
+
+    def denied(self, rule_index: int, wait_ms: int) -> RateLimited:
+        """`rule_index` is 1-based, as the scripts return it. Counted for /metrics."""
+        meter = self.rules[rule_index - 1].meter
+        count_denial(self.scope, meter)
+        return RateLimited(meter, self.subject, max(1, math.ceil(wait_ms / 1000)))
+
+    def reservation(self) -> Reservation:
+        return Reservation(
+            [
+                _Held(key, rule.meter, rule.window_seconds * 1000)
+                for key, rule in zip(self.keys, self.rules, strict=True)
+                if rule.meter != Meter.REQUESTS
+            ]
+        )
+
+
+_NO_PLAN = Plan([], [], [], "")
+
+
+def plan(scope: str, rate_limit: RateLimit | None, *, subject: str) -> Plan:
+    if rate_limit is None or not rate_limit.enabled:
+        return _NO_PLAN
+    # Rules come from the catalog cache (prefetched; dropped at the next catalog write)
+    # or from the database: an operator may edit rules while traffic flows.
+    rules = list(rate_limit.rules.all())
+    if not rules:
+        return _NO_PLAN
+    keys, args = [], []
+    for rule in rules:
+        keys.append(_key(scope, rule))
+        args += [_kind(rule.meter), rule.amount, rule.window_seconds * 1000, rule.strategy]
+    return Plan(keys, args, rules, subject, scope)
 
 
 def reserve(scope: str, rate_limit: RateLimit | None, *, subject: str) -> Reservation:
     """Take one request's share of every rule of `rate_limit` under `scope`, or
     raise `RateLimited`. `subject` names the limited party in the message."""
-    if rate_limit is None or not rate_limit.enabled:
-        return Reservation([])
-    # Read fresh every time: an operator may edit rules while traffic flows.
-    rules = list(rate_limit.rules.all())
-    if not rules:
-        return Reservation([])
+    return reserve_plan(plan(scope, rate_limit, subject=subject))
 
-    keys, args = [], []
-    for rule in rules:
-        keys.append(_key(scope, rule))
-        args += [_kind(rule.meter), rule.amount, rule.window_seconds * 1000, rule.strategy]
-    client = get_redis()
-    result = _script(client, _RESERVE_LUA)(keys=keys, args=args, client=client)
+
+def reserve_plan(p: Plan) -> Reservation:
+    if not p.rules:
+        return Reservation([])
+    result = lua.run(_RESERVE_LUA, p.keys, p.args)
     if int(result[0]) == 0:
-        rule = rules[int(result[1]) - 1]
-        _count_denial(client, scope, rule.meter)
-        raise RateLimited(rule.meter, subject, max(1, math.ceil(int(result[2]) / 1000)))
-
-    return Reservation(
-        [
-            _Held(key, rule.meter, rule.window_seconds * 1000)
-            for key, rule in zip(keys, rules, strict=True)
-            if rule.meter != Meter.REQUESTS
-        ]
-    )
+        raise p.denied(int(result[1]), int(result[2]))
+    return p.reservation()

@@ -4,3 +4,8 @@ from django.apps import AppConfig
 class RelayConfig(AppConfig):
     name = "relay"
     default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self):
+        from relay import catalog
+
+        catalog.connect_signals()

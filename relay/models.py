@@ -11,6 +11,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from relay import crypto
+from relay.catalog import CatalogQuerySet
 
 
 class User(AbstractUser):
@@ -63,6 +64,8 @@ class Host(models.Model):
     base_url = models.URLField(max_length=500)
     created_at = models.DateTimeField(default=timezone.now)
 
+    objects = CatalogQuerySet.as_manager()  # bulk writes bump the catalog generation
+
     def __str__(self):
         return self.name
 
@@ -73,6 +76,8 @@ class LLMModel(models.Model):
     name = models.CharField(max_length=200, unique=True)
     provider = models.SlugField(max_length=100)
     created_at = models.DateTimeField(default=timezone.now)
+
+    objects = CatalogQuerySet.as_manager()  # bulk writes bump the catalog generation
 
     class Meta:
         verbose_name = "model"
@@ -94,6 +99,8 @@ class Pricing(models.Model):
     output_nanos_per_mtok = models.BigIntegerField(null=True, blank=True)
     cache_read_nanos_per_mtok = models.BigIntegerField(null=True, blank=True)
     cache_write_nanos_per_mtok = models.BigIntegerField(null=True, blank=True)
+
+    objects = CatalogQuerySet.as_manager()  # bulk writes bump the catalog generation
 
     class Meta:
         verbose_name_plural = "pricing"
@@ -127,6 +134,8 @@ class HostBinding(models.Model):
     pricing = models.ForeignKey(Pricing, null=True, blank=True, on_delete=models.SET_NULL)
     enabled = models.BooleanField(default=True)
 
+    objects = CatalogQuerySet.as_manager()  # bulk writes bump the catalog generation
+
     class Meta:
         constraints = [
             models.UniqueConstraint(fields=["model", "host"], name="uniq_binding_model_host"),
@@ -151,6 +160,8 @@ class HostKey(models.Model):
     )
     enabled = models.BooleanField(default=True)
     created_at = models.DateTimeField(default=timezone.now)
+
+    objects = CatalogQuerySet.as_manager()  # bulk writes bump the catalog generation
 
     class Meta:
         constraints = [
@@ -178,7 +189,13 @@ class HostKey(models.Model):
                     f"host key {self.name}: environment variable {self.value_env} is not set"
                 )
             return value
-        return crypto.decrypt(self.value_encrypted)
+        # Decrypted once per instance and ciphertext: the catalog cache keeps instances.
+        memo = self.__dict__.get("_value_memo")
+        if memo is not None and memo[0] == self.value_encrypted:
+            return memo[1]
+        value = crypto.decrypt(self.value_encrypted)
+        self.__dict__["_value_memo"] = (self.value_encrypted, value)
+        return value
 
 
 class RelayKey(models.Model):

@@ -109,30 +109,21 @@ def _dispatch(call: Call, ctx: dict, started: float) -> Outcome:
     payload = json.dumps(body).encode()
 
     try:
-        inbound = ratelimit.reserve(f"policy:{policy.id}", policy.rate_limit, subject=f"policy {policy.name}")
+        # Inbound limit, key order, breaker probe, tier limit, LRU mark: one Redis round trip.
+        picks = keypool.pick(policy, _candidates(route.keys), max_picks=MAX_KEY_ATTEMPTS)
     except ratelimit.RateLimited as exc:
         err = RelayError(429, "rate_limit_exceeded", exc.message, headers={"Retry-After": exc.retry_after})
         err.retry_after = float(exc.retry_after)
         raise err from exc
+    inbound = picks.inbound
 
     last_response: upstream.UpstreamResponse | None = None
     last_error: upstream.UpstreamError | None = None
     tried_any = False
     waits: list[float] = []  # for each key passed over: seconds until it has capacity again
     try:
-        for cand in keypool.order(policy.id, policy.key_selection, _candidates(route.keys)):
-            if ctx["attempts"] >= MAX_KEY_ATTEMPTS:
-                break
+        for cand, tier in picks:  # keys whose breaker refuses or whose tier is spent are skipped
             key, key_value = cand.key, cand.value
-            if not breaker.try_acquire(cand.key_hash):
-                waits.append(breaker.retry_in(cand.key_hash))
-                continue
-            try:
-                tier = ratelimit.reserve(f"hostkey:{key.id}", key.rate_limit, subject=f"host key {key.name}")
-            except ratelimit.RateLimited as exc:
-                breaker.release_probe(cand.key_hash)
-                waits.append(float(exc.retry_after))
-                continue  # the key's own upstream tier is spent: try the next key
             quota_wait = provider_limits.take(cand.key_hash)
             if quota_wait:
                 # The provider said this key's window is spent: don't spend a request learning it again.
@@ -140,7 +131,6 @@ def _dispatch(call: Call, ctx: dict, started: float) -> Outcome:
                 breaker.release_probe(cand.key_hash)
                 waits.append(quota_wait)
                 continue
-            keypool.mark_used(policy.id, cand.key_hash)
             tried_any = True
             ctx["attempts"] += 1
             ctx["host_key"] = key
@@ -165,10 +155,11 @@ def _dispatch(call: Call, ctx: dict, started: float) -> Outcome:
             last_response, last_error = resp, None
             provider_limits.learn(cand.key_hash, resp.headers)
             if 200 <= resp.status < 300:
-                breaker.record_success(cand.key_hash)
                 tokens = parse_usage(route.adapter, path, _json_or_empty(resp.body))
-                tier.commit(input_tokens=_input_side(tokens), output_tokens=tokens.output)
-                inbound.commit(input_tokens=_input_side(tokens), output_tokens=tokens.output)
+                # Breaker closed, tier and inbound committed: one Redis round trip.
+                keypool.settle_success(
+                    cand.key_hash, (tier, inbound), input_tokens=_input_side(tokens), output_tokens=tokens.output
+                )
                 return _finish(
                     call,
                     ctx,
@@ -219,6 +210,8 @@ def _dispatch(call: Call, ctx: dict, started: float) -> Outcome:
     if last_error is not None:
         raise _upstream_error_to_relay(last_error)
     if not tried_any:
+        if picks.retry_after_ms is not None:  # keys the pick passed over: breaker cooldowns, spent tiers
+            waits.append(picks.retry_after_ms / 1000)
         wait = _capped(min(waits)) if waits else None
         err = RelayError(
             503,

@@ -8,6 +8,7 @@ Errors and their statuses follow the product (relay-product.md A6): 404
 from dataclasses import dataclass
 
 from policies.models import Policy
+from relay import catalog
 from relay.errors import RelayError
 from relay.grants import granted
 from relay.models import HostBinding, HostKey, LLMModel
@@ -34,7 +35,9 @@ class RoutingError(RelayError):
 
 
 def load_policy(policy_id: int | None) -> Policy:
-    policy = Policy.objects.select_related("rate_limit").filter(pk=policy_id).first() if policy_id else None
+    """The policy from the per-process catalog cache (relay.catalog): no query while the
+    catalog is unchanged."""
+    policy = catalog.policy(policy_id) if policy_id else None
     if policy is None:
         raise RoutingError(403, "no_policy", "no policy is bound to this principal")
     return policy
@@ -45,6 +48,11 @@ def resolve(policy: Policy, model_name) -> Route:
         raise RoutingError(403, "policy_disabled", f"policy {policy.name} is disabled")
     if not isinstance(model_name, str) or not model_name:
         raise RelayError(400, "invalid_request", "the request body needs a 'model' string")
+    # Cached per (policy, model) until the next catalog write, errors included.
+    return catalog.route(policy, model_name, _resolve)
+
+
+def _resolve(policy: Policy, model_name: str) -> Route:
     # One query for the model and its bindings; the model alone only on the error path.
     bindings = list(
         HostBinding.objects.filter(model__name=model_name).select_related("model", "host", "pricing").order_by("id")

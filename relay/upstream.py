@@ -1,13 +1,22 @@
 """The one HTTP choke point: every call to a provider goes through `call()`.
 
 Budget: an explicit connect timeout, a per-read timeout, and a total deadline
-that is enforced even against an upstream that drips bytes forever. The
-request runs on a short-lived thread while the caller waits on a condition
-with the deadline, polling a cancel callback; on deadline or cancel the caller
-returns at once and the abandoned thread ends by its own socket timeouts (each
-read is capped at the time that was left), closing its connection.
+that is enforced even against an upstream that drips bytes forever.
+
+The request runs on the caller's own thread over a keep-alive connection from a
+per-process pool (one `requests.Session`, pools per host). No thread per call:
+one watchdog thread per process looks at every call in flight each `_POLL`
+seconds, and when a call's cancel callback says stop or its deadline passes it
+shuts the call's socket down (`shutdown(SHUT_RDWR)`). The blocked read in the
+caller's thread returns at once, the connection is closed (never handed back to
+the pool), and only then does `call()` raise `cancelled` / `timeout`: the
+provider sees the connection end, and no request outlives its caller.
+
+`cancel` is called from the watchdog thread, so it must be cheap and
+thread-safe (the batch runner's is a flag read).
 """
 
+import os
 import socket
 import threading
 import time
@@ -17,10 +26,12 @@ from dataclasses import dataclass, field
 import requests
 from django.conf import settings
 from requests.adapters import HTTPAdapter
+from urllib3.connection import HTTPConnection, HTTPSConnection
+from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
 
 MAX_RESPONSE_BYTES = 64 * 1024 * 1024
 _CHUNK = 64 * 1024
-_POLL = 0.25  # seconds between cancel checks while waiting
+_POLL = 0.1  # seconds between the watchdog's cancel/deadline checks
 
 
 @dataclass
@@ -46,20 +57,147 @@ class UpstreamError(Exception):
         self.message = message
 
 
+# --- the watchdog -------------------------------------------------------------------------------
+
+
+class _Watch:
+    """One call in flight: what the watchdog checks and the connection it may shut down."""
+
+    __slots__ = ("cancel", "deadline", "reason", "conn")
+
+    def __init__(self, cancel, deadline: float):
+        self.cancel = cancel
+        self.deadline = deadline
+        self.reason: str | None = None  # "cancelled" | "timeout" once the watchdog stopped the call
+        self.conn = None  # the urllib3 connection carrying the request, once there is one
+
+
+_lock = threading.Condition()
+_watches: set[_Watch] = set()
+_local = threading.local()
+_watchdog_pid: int | None = None
+
+
+def _shutdown(watch: _Watch) -> None:
+    """Called with `_lock` held. Shut the socket down; the owning thread closes it."""
+    conn = watch.conn
+    sock = getattr(conn, "sock", None) if conn is not None else None
+    if sock is not None and getattr(conn, "_relay_watch", None) is watch:
+        try:
+            # socket.socket.shutdown, not SSLSocket's: that one also drops the TLS
+            # object under the reading thread's feet.
+            socket.socket.shutdown(sock, socket.SHUT_RDWR)
+        except OSError:
+            pass  # already closed
+
+
+def _watchdog() -> None:
+    while True:
+        with _lock:
+            while not _watches:
+                _lock.wait()
+            watches = list(_watches)
+        now = time.monotonic()
+        for watch in watches:
+            reason = watch.reason
+            if reason is None:
+                if now >= watch.deadline:
+                    reason = "timeout"
+                elif watch.cancel is not None:
+                    try:
+                        if watch.cancel():
+                            reason = "cancelled"
+                    except Exception:  # a failing cancel check must not kill the watchdog
+                        reason = None
+            if reason is not None:
+                with _lock:
+                    if watch in _watches:
+                        watch.reason = reason
+                        # Repeated every tick until the caller unregisters: a call that was
+                        # still connecting when stopped gets its socket shut on the next tick.
+                        _shutdown(watch)
+        nearest = min((w.deadline for w in watches), default=now + _POLL)
+        time.sleep(max(0.005, min(_POLL, nearest - time.monotonic())))
+
+
+def _register(watch: _Watch) -> None:
+    global _watchdog_pid
+    with _lock:
+        if _watchdog_pid != os.getpid():  # first call in this process (or a forked child)
+            _watchdog_pid = os.getpid()
+            threading.Thread(target=_watchdog, name="upstream-watchdog", daemon=True).start()
+        _watches.add(watch)
+        _lock.notify()
+
+
+def _unregister(watch: _Watch) -> None:
+    with _lock:
+        _watches.discard(watch)
+        conn = watch.conn
+        if conn is not None and getattr(conn, "_relay_watch", None) is watch:
+            conn._relay_watch = None
+
+
+def _own(conn) -> None:
+    """The connection is about to carry the current thread's call: let the watchdog see it."""
+    watch = getattr(_local, "watch", None)
+    if watch is None:
+        return
+    with _lock:
+        conn._relay_watch = watch
+        watch.conn = conn
+        if watch.reason is not None:
+            _shutdown(watch)
+
+
+class _WatchedHTTPConnection(HTTPConnection):
+    _relay_watch = None
+
+    def request(self, *args, **kwargs):
+        _own(self)
+        return super().request(*args, **kwargs)
+
+
+class _WatchedHTTPSConnection(HTTPSConnection):
+    _relay_watch = None
+
+    def request(self, *args, **kwargs):
+        _own(self)
+        return super().request(*args, **kwargs)
+
+
+class _HTTPPool(HTTPConnectionPool):
+    ConnectionCls = _WatchedHTTPConnection
+
+
+class _HTTPSPool(HTTPSConnectionPool):
+    ConnectionCls = _WatchedHTTPSConnection
+
+
+class _Adapter(HTTPAdapter):
+    def init_poolmanager(self, *args, **kwargs):
+        super().init_poolmanager(*args, **kwargs)
+        self.poolmanager.pool_classes_by_scheme = {"http": _HTTPPool, "https": _HTTPSPool}
+
+
+# --- the session --------------------------------------------------------------------------------
+
 _session_lock = threading.Lock()
 _session: requests.Session | None = None
+_session_pid: int | None = None
 
 
 def _shared_session() -> requests.Session:
-    global _session
+    """One keep-alive session per process (a forked child gets its own: sockets are not shared)."""
+    global _session, _session_pid
     with _session_lock:
-        if _session is None:
+        if _session is None or _session_pid != os.getpid():
             s = requests.Session()
             # Proxy variables in the worker's environment must not reroute provider traffic.
             s.trust_env = False
-            s.mount("http://", HTTPAdapter(pool_connections=16, pool_maxsize=64, max_retries=0))
-            s.mount("https://", HTTPAdapter(pool_connections=16, pool_maxsize=64, max_retries=0))
-            _session = s
+            s.mount("http://", _Adapter(pool_connections=16, pool_maxsize=64, max_retries=0))
+            s.mount("https://", _Adapter(pool_connections=16, pool_maxsize=64, max_retries=0))
+            _session, _session_pid = s, os.getpid()
         return _session
 
 
@@ -71,29 +209,40 @@ def call(
     deadline: float,
     cancel: Callable[[], bool] | None = None,
 ) -> UpstreamResponse:
-    """POST `body` to `url`; `deadline` is a time.monotonic() value."""
+    """POST `body` to `url`; `deadline` is a time.monotonic() value.
+
+    Returns or raises only once the call's connection is back in the pool (a whole
+    answer was read) or closed (anything else)."""
     if time.monotonic() >= deadline:
         raise UpstreamError("timeout", "deadline passed before the upstream call")
-    done = threading.Event()
-    box: dict = {}
-
-    def run():
+    if cancel is not None and cancel():
+        raise UpstreamError("cancelled", "cancelled before the upstream call")
+    watch = _Watch(cancel, deadline)
+    _local.watch = watch
+    _register(watch)
+    try:
         try:
-            box["resp"] = _do_post(url, headers, body, deadline)
-        except BaseException as exc:  # handed to the waiting caller
-            box["exc"] = exc
-        finally:
-            done.set()
+            resp = _do_post(url, headers, body, deadline)
+        except UpstreamError as exc:
+            if watch.reason is not None:
+                raise _stopped(watch) from exc
+            if exc.kind == "network" and time.monotonic() >= deadline - 0.05:
+                # A socket timeout capped at the time left: the deadline, seen first by the socket.
+                raise UpstreamError("timeout", "upstream call exceeded its deadline") from exc
+            raise
+        if watch.reason is not None:
+            # The answer completed while the watchdog stopped the call: the stop wins.
+            raise _stopped(watch)
+        return resp
+    finally:
+        _local.watch = None
+        _unregister(watch)
 
-    threading.Thread(target=run, name="upstream-call", daemon=True).start()
-    while not done.wait(min(_POLL, max(0.0, deadline - time.monotonic()))):
-        if time.monotonic() >= deadline:
-            raise UpstreamError("timeout", "upstream call exceeded its deadline")
-        if cancel is not None and cancel():
-            raise UpstreamError("cancelled", "cancelled while waiting for the upstream")
-    if "exc" in box:
-        raise box["exc"]
-    return box["resp"]
+
+def _stopped(watch: _Watch) -> UpstreamError:
+    if watch.reason == "timeout":
+        return UpstreamError("timeout", "upstream call exceeded its deadline")
+    return UpstreamError("cancelled", "cancelled while waiting for the upstream")
 
 
 def _do_post(url: str, headers: dict, body: bytes, deadline: float) -> UpstreamResponse:
@@ -116,6 +265,9 @@ def _do_post(url: str, headers: dict, body: bytes, deadline: float) -> UpstreamR
         raise UpstreamError(kind, f"{type(exc).__name__}: {exc}") from exc
     except requests.exceptions.Timeout as exc:
         raise UpstreamError("network", f"read timeout: {exc}") from exc
+    except requests.exceptions.RequestException as exc:
+        raise UpstreamError("network", f"{type(exc).__name__}: {exc}") from exc
+    complete = False
     try:
         chunks, size = [], 0
         while True:
@@ -129,11 +281,19 @@ def _do_post(url: str, headers: dict, body: bytes, deadline: float) -> UpstreamR
             if size > MAX_RESPONSE_BYTES:
                 raise UpstreamError("too_large", f"upstream answer exceeds {MAX_RESPONSE_BYTES} bytes")
             chunks.append(chunk)
+        complete = True
     except UpstreamError:
         raise
     except Exception as exc:  # urllib3/socket errors mid-body: the connection broke
         raise UpstreamError("network", f"reading the upstream answer failed: {type(exc).__name__}: {exc}") from exc
     finally:
+        watch = getattr(_local, "watch", None)
+        if complete and (watch is None or watch.reason is None):
+            # The whole answer was read: the connection goes back to the pool (keep-alive).
+            resp.raw.release_conn()
+        else:
+            # Anything else (stopped, broken, too large): close it, never reuse it.
+            resp.raw.close()
         resp.close()
     return UpstreamResponse(status=resp.status_code, headers=dict(resp.headers), body=b"".join(chunks))
 

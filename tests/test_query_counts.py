@@ -24,8 +24,8 @@ runs_items = pytest.mark.django_db(transaction=True)
 CHAT = "/v1/chat/completions"
 
 # Pinned statement counts (see the module docstring).
-LIVE_REQUEST = 5
-BATCH_ITEM_RUN = 15  # 14 before the attempt history (one INSERT per attempt)
+LIVE_REQUEST = 2  # 5 before the catalog cache (issue 11): key lookup + usage insert
+BATCH_ITEM_RUN = 12  # 14 before the catalog cache; +1 for the attempt history row
 OPENAI_LIST_PAGE = 3
 OPENAI_RETRIEVE = 3
 NATIVE_STATUS = 4

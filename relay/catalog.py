@@ -1,0 +1,229 @@
+"""A per-process cache of the catalog, invalidated through one Redis generation counter.
+
+The catalog is what routing reads on every request and changes only when an
+operator edits it: policies (grants, pool, rate limit and its rules), models,
+host bindings, hosts, host keys (and their decrypted values), pricing. Each
+process keeps what it has read under the generation it read it at
+
+    relay:catalog:gen     an integer; every catalog write increments it
+
+and every request reads that one key (one round trip) before it uses the cache:
+a different number drops the whole cache. So a change is seen by the next
+request in every process, not after a TTL.
+
+Every write bumps, whatever path it takes:
+- `save()` / `delete()` of a catalog model, the admin, `relay apply`, the CLI,
+  services: post_save / post_delete / m2m_changed signals (`connect_signals`);
+- queryset `.update()`, `.delete()`, `bulk_create()`, `bulk_update()`: the
+  catalog models' default manager is `CatalogQuerySet.as_manager()`, and related
+  managers (`policy.pool_links`, `rate_limit.rules`) inherit it.
+
+A bump happens at once (this process, and this transaction's own reads, see the
+change) and again when the transaction commits: another process that reloads
+between the two reads the old rows and caches them under the first bump's
+number; the second bump drops them.
+
+Relay keys and inference tokens are not cached here: revocation must be seen at
+once, and they are checked with one query per request (`relay.auth`).
+
+If the counter disappears (Redis flushed), it restarts from a random value, so a
+process holding an old number cannot mistake a new counter for its own. While Redis
+cannot be reached nothing is served from the cache, a bump that failed is retried
+by the next request of the process that wrote, and no snapshot is used for longer
+than MAX_AGE_S whatever the counter says (a backstop for a write whose bump was lost).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+
+import redis
+from django.db import models, transaction
+
+from relay.redis import get_redis
+
+GEN_KEY = "relay:catalog:gen"
+MAX_AGE_S = 300.0
+
+# INCR, but a missing counter starts from a random value (see the module docstring).
+_BUMP_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 0 then redis.call('SET', KEYS[1], ARGV[1]) end
+return redis.call('INCR', KEYS[1])
+"""
+
+
+def _seed() -> int:
+    return random.randrange(1 << 40, 1 << 52)
+
+
+def bump() -> None:
+    """Invalidate every process's cache: now, and again when the transaction commits."""
+    _bump_now()
+    transaction.on_commit(_bump_now, robust=True)
+
+
+def _bump_now() -> None:
+    _local_cache.clear()
+    try:
+        get_redis().eval(_BUMP_LUA, 1, GEN_KEY, _seed())
+        _local_cache.bump_pending = False
+    except redis.RedisError:
+        # Retried by this process's next request (`_Cache.current`); meanwhile nothing is
+        # served from a cache here, and other processes cannot read the counter either.
+        _local_cache.bump_pending = True
+
+
+@dataclass
+class _Snapshot:
+    gen: str | None
+    policies: dict = field(default_factory=dict)  # id -> Policy | None
+    routes: dict = field(default_factory=dict)  # (policy id, model name) -> Route | (status, code, message)
+    born: float = field(default_factory=time.monotonic)
+
+
+class _Cache:
+    def __init__(self):
+        self.snapshot = _Snapshot(gen=None)
+        self.bump_pending = False
+
+    def clear(self) -> None:
+        self.snapshot = _Snapshot(gen=None)
+
+    def current(self) -> _Snapshot | None:
+        """The snapshot valid for the generation in Redis now; None when Redis cannot tell."""
+        if self.bump_pending:
+            _bump_now()
+            if self.bump_pending:
+                return None
+        try:
+            client = get_redis()
+            gen = client.get(GEN_KEY)
+            if gen is None:
+                client.set(GEN_KEY, _seed(), nx=True)
+                gen = client.get(GEN_KEY)
+        except redis.RedisError:
+            self.clear()  # what was read before the outage is not trusted after it
+            return None
+        snap = self.snapshot
+        if snap.gen != gen or time.monotonic() - snap.born > MAX_AGE_S:
+            snap = _Snapshot(gen=gen)
+            self.snapshot = snap
+        return snap
+
+
+_local_cache = _Cache()
+
+
+def _load_policy(policy_id: int):
+    from policies.models import Policy
+
+    policy = (
+        Policy.objects.select_related("rate_limit").prefetch_related("rate_limit__rules").filter(pk=policy_id).first()
+    )
+    if policy is not None:
+        policy.__dict__["_pool_memo"] = policy.pool()  # read once, kept with the instance
+    return policy
+
+
+def policy(policy_id: int):
+    """The policy with its rate limit, rules and host-key pool loaded; None if there is none."""
+    snap = _local_cache.current()
+    if snap is None:
+        return _load_policy(policy_id)
+    try:
+        return snap.policies[policy_id]
+    except KeyError:
+        pass
+    value = _load_policy(policy_id)
+    snap.policies[policy_id] = value
+    return value
+
+
+def route(policy_obj, model_name: str, compute):
+    """`compute(policy, model_name)` → Route, cached per (policy, model). A RelayError it
+    raises is cached too (as status, code, message) and raised afresh each time."""
+    from relay.errors import RelayError
+
+    snap = _local_cache.current()
+    if snap is None:
+        return compute(policy_obj, model_name)
+    cache_key = (policy_obj.id, model_name)
+    hit = snap.routes.get(cache_key)
+    if hit is None:
+        try:
+            hit = compute(policy_obj, model_name)
+        except RelayError as err:
+            hit = (err.status, err.code, err.message, type(err))
+        snap.routes[cache_key] = hit
+    if isinstance(hit, tuple):
+        status, code, message, cls = hit
+        raise cls(status, code, message)
+    return hit
+
+
+# --- writes -------------------------------------------------------------------------------------
+
+
+class CatalogQuerySet(models.QuerySet):
+    """Bulk writes on catalog models bump the generation (signals do not fire for them)."""
+
+    def update(self, **kwargs):
+        rows = super().update(**kwargs)
+        bump()
+        return rows
+
+    def delete(self):
+        result = super().delete()
+        bump()
+        return result
+
+    def bulk_create(self, objs, *args, **kwargs):
+        result = super().bulk_create(objs, *args, **kwargs)
+        bump()
+        return result
+
+    def bulk_update(self, objs, fields, *args, **kwargs):
+        rows = super().bulk_update(objs, fields, *args, **kwargs)
+        bump()
+        return rows
+
+    def _raw_delete(self, using):
+        # The collector's fast path (cascades without signals).
+        rows = super()._raw_delete(using)
+        bump()
+        return rows
+
+    _raw_delete.alters_data = True
+
+
+CATALOG_MODELS = (
+    "relay.Host",
+    "relay.LLMModel",
+    "relay.Pricing",
+    "relay.HostBinding",
+    "relay.HostKey",
+    "policies.Policy",
+    "policies.PolicyHostKey",
+    "policies.RateLimit",
+    "policies.RateLimitRule",
+)
+
+
+def _on_write(sender, **kwargs):
+    bump()
+
+
+def connect_signals() -> None:
+    """Called from the apps' ready(): every save/delete of a catalog model bumps."""
+    from django.apps import apps
+    from django.db.models.signals import m2m_changed, post_delete, post_save
+
+    for label in CATALOG_MODELS:
+        model = apps.get_model(label)
+        post_save.connect(_on_write, sender=model, dispatch_uid=f"catalog-save-{label}")
+        post_delete.connect(_on_write, sender=model, dispatch_uid=f"catalog-delete-{label}")
+    from policies.models import Policy
+
+    m2m_changed.connect(_on_write, sender=Policy.host_keys.through, dispatch_uid="catalog-m2m-pool")

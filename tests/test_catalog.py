@@ -1,0 +1,177 @@
+"""The per-process catalog cache (relay.catalog): every catalog write, whatever path it
+takes, is seen by the next request — in this process and in another one."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
+
+from policies.models import Policy, PolicyHostKey, RateLimit, RateLimitRule
+from relay import routing
+from relay.errors import RelayError
+from relay.models import HostBinding, HostKey, LLMModel, Pricing
+from tests import factories
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def route_of(policy_id, model="gpt-4o"):
+    policy = routing.load_policy(policy_id)
+    return routing.resolve(policy, model)
+
+
+def test_second_request_reads_no_catalog_rows(catalog):
+    route_of(catalog.policy.id)
+    with CaptureQueriesContext(connection) as ctx:
+        route = route_of(catalog.policy.id)
+        [k.get_value() for k in route.keys]
+    assert len(ctx.captured_queries) == 0
+    assert route.binding.upstream_name == "gpt-4o-2024-08-06"
+
+
+def _expect_error(policy_id, code, model="gpt-4o"):
+    with pytest.raises(RelayError) as info:
+        route_of(policy_id, model)
+    assert info.value.code == code
+
+
+@pytest.mark.parametrize(
+    "write, code",
+    [
+        (lambda c: HostBinding.objects.filter(model__name="gpt-4o").update(enabled=False), "no_host_binding"),
+        (lambda c: HostBinding.objects.filter(model__name="gpt-4o").delete(), "no_host_binding"),
+        (lambda c: LLMModel.objects.filter(name="gpt-4o").delete(), "model_not_found"),
+        (lambda c: Policy.objects.filter(pk=c.policy.pk).update(enabled=False), "policy_disabled"),
+        (lambda c: Policy.objects.filter(pk=c.policy.pk).update(grants=["anthropic/*"]), "model_not_allowed"),
+        (lambda c: HostKey.objects.filter(host__name="openai").update(enabled=False), "no_keys"),
+        (lambda c: c.policy.pool_links.all().delete(), "no_keys"),
+        (lambda c: c.hosts["openai"].delete(), "no_host_binding"),
+    ],
+)
+def test_every_bulk_write_is_seen_by_the_next_request(catalog, write, code):
+    route_of(catalog.policy.id)  # cached
+    write(catalog)
+    _expect_error(catalog.policy.id, code)
+
+
+def test_saves_are_seen_by_the_next_request(catalog):
+    route_of(catalog.policy.id)
+    binding = HostBinding.objects.get(model__name="gpt-4o")
+    binding.upstream_name = "gpt-4o-new"
+    binding.save()
+    assert route_of(catalog.policy.id).binding.upstream_name == "gpt-4o-new"
+
+    price = Pricing.objects.get(name="p-gpt")
+    price.input_nanos_per_mtok = 1
+    price.save()
+    assert route_of(catalog.policy.id).binding.pricing.input_nanos_per_mtok == 1
+
+    key = HostKey.objects.get(name="openai-0")
+    key.set_value("rotated-value")
+    key.save()
+    assert route_of(catalog.policy.id).keys[0].get_value() == "rotated-value"
+
+    PolicyHostKey.objects.filter(policy=catalog.policy, host_key=key).delete()
+    assert [k.name for k in route_of(catalog.policy.id).keys] == ["openai-1", "openai-2"]
+
+
+def test_rate_limit_rules_are_seen_by_the_next_request(catalog):
+    rl = factories.rate_limit("rl-1", ("requests", 5, 60, "sliding-window"))
+    Policy.objects.filter(pk=catalog.policy.pk).update(rate_limit=rl)
+    assert [r.amount for r in routing.load_policy(catalog.policy.id).rate_limit.rules.all()] == [5]
+    RateLimitRule.objects.filter(rate_limit=rl).update(amount=7)
+    assert [r.amount for r in routing.load_policy(catalog.policy.id).rate_limit.rules.all()] == [7]
+    RateLimit.objects.filter(pk=rl.pk).update(enabled=False)
+    assert routing.load_policy(catalog.policy.id).rate_limit.enabled is False
+
+
+def test_a_flushed_counter_restarts_elsewhere(catalog):
+    from relay import catalog as cache
+    from relay.redis import get_redis
+
+    route_of(catalog.policy.id)
+    old = cache._local_cache.current().gen
+    get_redis().delete(cache.GEN_KEY)
+    # A new random start: a process holding `old` cannot mistake the new counter for its own.
+    assert cache._local_cache.current().gen != old
+
+
+# --- another process -----------------------------------------------------------------------------
+
+_CHILD = r"""
+import json, os, sys
+import django
+django.setup()
+from relay import routing
+from relay.errors import RelayError
+for line in sys.stdin:
+    pid = int(line)
+    try:
+        r = routing.resolve(routing.load_policy(pid), "gpt-4o")
+        out = {"upstream_name": r.binding.upstream_name, "keys": [k.name for k in r.keys]}
+    except RelayError as e:
+        out = {"error": e.code}
+    print(json.dumps(out), flush=True)
+"""
+
+
+@pytest.fixture
+def child(transactional_db):
+    from tests.workers import database_url
+
+    env = dict(os.environ, DATABASE_URL=database_url(connection.settings_dict), DJANGO_SETTINGS_MODULE="relay.settings")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT, env=env
+    )
+
+    def ask(policy_id: int) -> dict:
+        proc.stdin.write(f"{policy_id}\n")
+        proc.stdin.flush()
+        return json.loads(proc.stdout.readline())
+
+    yield ask
+    proc.stdin.close()
+    proc.wait(timeout=10)
+
+
+def test_another_process_sees_every_write_at_its_next_request(fake, child):
+    c = factories.make_catalog(fake.url)
+    assert child(c.policy.id)["upstream_name"] == "gpt-4o-2024-08-06"
+    assert child(c.policy.id)["upstream_name"] == "gpt-4o-2024-08-06"  # served from its cache
+
+    HostBinding.objects.filter(model__name="gpt-4o").update(upstream_name="changed-by-update")
+    assert child(c.policy.id)["upstream_name"] == "changed-by-update"
+
+    key = HostKey.objects.get(name="openai-0")
+    key.enabled = False
+    key.save()
+    assert child(c.policy.id)["keys"] == ["openai-1", "openai-2"]
+
+    Policy.objects.get(pk=c.policy.pk).delete()
+    assert child(c.policy.id) == {"error": "no_policy"}
+
+
+def test_without_redis_nothing_is_cached_and_a_lost_bump_is_retried(catalog, settings):
+    from relay import catalog as cache
+    from relay.redis import get_redis
+
+    route_of(catalog.policy.id)
+    before = cache._local_cache.current().gen
+    good_url = settings.REDIS_URL
+    settings.REDIS_URL = "redis://127.0.0.1:1/11"  # nothing listens there
+    try:
+        # Reads go to the database, and a write's bump cannot reach Redis.
+        HostBinding.objects.filter(model__name="gpt-4o").update(upstream_name="during-outage")
+        assert route_of(catalog.policy.id).binding.upstream_name == "during-outage"
+        assert cache._local_cache.bump_pending
+    finally:
+        settings.REDIS_URL = good_url
+    assert get_redis().get(cache.GEN_KEY) == before  # the bump was lost …
+    cache._local_cache.current()  # … and is made by this process's next request
+    assert get_redis().get(cache.GEN_KEY) != before
+    assert not cache._local_cache.bump_pending

@@ -1,0 +1,139 @@
+"""relay.upstream: keep-alive per host, and a stopped call really ends its connection.
+
+A raw-socket fake provider records every connection it accepts and the moment the
+client closes it, so the tests see what a provider would see."""
+
+import socket
+import threading
+import time
+
+import pytest
+
+from relay import upstream
+
+OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+
+
+class RawUpstream:
+    """Accepts connections; answers each request at once (`fast`) or never (`slow`)."""
+
+    def __init__(self, mode: str):
+        self.mode = mode
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.accepted = 0
+        self.requests = 0
+        self.closed = threading.Event()  # set when a client ended its connection
+        self.got_request = threading.Event()
+        self.stop = threading.Event()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.sock.getsockname()[1]}/v1/chat/completions"
+
+    def _serve(self):
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            threading.Thread(target=self._conn, args=(conn,), daemon=True).start()
+
+    def _conn(self, conn):
+        buf = b""
+        conn.settimeout(30)
+        try:
+            while True:
+                data = conn.recv(65536)
+                if not data:
+                    self.closed.set()  # the client closed (FIN) its side
+                    return
+                buf += data
+                while b"\r\n\r\n" in buf:
+                    head, _, rest = buf.partition(b"\r\n\r\n")
+                    length = 0
+                    for line in head.split(b"\r\n"):
+                        if line.lower().startswith(b"content-length:"):
+                            length = int(line.split(b":")[1])
+                    if len(rest) < length:
+                        break
+                    buf = rest[length:]
+                    self.requests += 1
+                    self.got_request.set()
+                    if self.mode == "fast":
+                        conn.sendall(OK)
+                    # slow: never answer; keep reading to see the close
+        except OSError:
+            self.closed.set()
+        finally:
+            conn.close()
+
+    def close(self):
+        self.stop.set()
+        self.sock.close()
+
+
+@pytest.fixture
+def raw():
+    servers = []
+
+    def make(mode):
+        s = RawUpstream(mode)
+        servers.append(s)
+        return s
+
+    yield make
+    for s in servers:
+        s.close()
+
+
+def test_keep_alive_reuses_one_connection_per_host(raw):
+    srv = raw("fast")
+    for _ in range(5):
+        resp = upstream.call(srv.url, {}, b"{}", deadline=time.monotonic() + 10)
+        assert resp.status == 200 and resp.body == b"{}"
+    assert srv.requests == 5
+    assert srv.accepted == 1
+
+
+def test_cancel_closes_the_connection_before_call_returns(raw):
+    srv = raw("slow")
+    flag = threading.Event()
+    threading.Timer(0.3, flag.set).start()
+    with pytest.raises(upstream.UpstreamError) as info:
+        upstream.call(srv.url, {}, b"{}", deadline=time.monotonic() + 60, cancel=flag.is_set)
+    assert info.value.kind == "cancelled"
+    assert srv.got_request.is_set()
+    # The provider sees the connection end (no wall-clock bound is asserted, only that it happens).
+    assert srv.closed.wait(10)
+    assert not upstream._watches  # nothing left in flight
+
+
+def test_deadline_closes_the_connection(raw):
+    srv = raw("slow")
+    with pytest.raises(upstream.UpstreamError) as info:
+        upstream.call(srv.url, {}, b"{}", deadline=time.monotonic() + 0.4)
+    assert info.value.kind == "timeout"
+    assert srv.closed.wait(10)
+
+
+def test_a_stopped_connection_is_not_reused(raw):
+    slow = raw("slow")
+    flag = threading.Event()
+    threading.Timer(0.2, flag.set).start()
+    with pytest.raises(upstream.UpstreamError):
+        upstream.call(slow.url, {}, b"{}", deadline=time.monotonic() + 60, cancel=flag.is_set)
+    slow.mode = "fast"
+    resp = upstream.call(slow.url, {}, b"{}", deadline=time.monotonic() + 10)
+    assert resp.status == 200
+    assert slow.accepted == 2  # a new connection, not the one that was shut down
+
+
+def test_no_thread_per_call(raw):
+    srv = raw("fast")
+    upstream.call(srv.url, {}, b"{}", deadline=time.monotonic() + 10)
+    before = threading.active_count()
+    for _ in range(10):
+        upstream.call(srv.url, {}, b"{}", deadline=time.monotonic() + 10)
+    assert threading.active_count() == before
