@@ -454,17 +454,23 @@ def cancel_native(batch_id) -> None:
     complete_if_done(batch_id)
 
 
-def cancel_openai(batch_id) -> bool:
-    """validating|in_progress → cancelling; pending records cancelled now. True if it moved."""
+def start_cancelling(batch_id, surface: str, frm) -> bool:
+    """→ cancelling; pending items cancelled now, running ones stop at their next heartbeat (on every
+    replica); cancelled once none is pending (complete_if_done). True if it moved."""
     now = timezone.now()
     with transaction.atomic():
         # Waits for a running validation (it holds the row) and re-checks the status after it.
-        moved = move(batch_id, Surface.OPENAI, S.CANCELLING, frm=OPENAI_STOPPABLE, cancel_requested_at=now)
+        moved = move(batch_id, surface, S.CANCELLING, frm=frm, cancel_requested_at=now)
         if moved:
             cancel_pending_items(batch_id, Code.BATCH_CANCELLED)
     if moved:
         complete_if_done(batch_id)
     return moved
+
+
+def cancel_openai(batch_id) -> bool:
+    """validating|in_progress → cancelling. True if it moved."""
+    return start_cancelling(batch_id, Surface.OPENAI, OPENAI_STOPPABLE)
 
 
 def expire_openai(batch_id, now) -> bool:
@@ -499,16 +505,8 @@ def end_anthropic(batch_id, status: str) -> bool:
 
 
 def cancel_anthropic(batch_id) -> bool:
-    """in_progress → cancelling; pending requests cancelled now, running ones stop at their next
-    heartbeat; cancelled once none is pending. True if it moved."""
-    now = timezone.now()
-    with transaction.atomic():
-        moved = move(batch_id, Surface.ANTHROPIC, S.CANCELLING, frm=[S.IN_PROGRESS], cancel_requested_at=now)
-        if moved:
-            cancel_pending_items(batch_id, Code.BATCH_CANCELLED)
-    if moved:
-        complete_if_done(batch_id)
-    return moved
+    """in_progress → cancelling. True if it moved."""
+    return start_cancelling(batch_id, Surface.ANTHROPIC, [S.IN_PROGRESS])
 
 
 def expire_anthropic(batch_id, now) -> bool:

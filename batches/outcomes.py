@@ -51,6 +51,7 @@ class Code(models.TextChoices):
     TOOL_EXECUTOR_BAD_RESPONSE = "tool_executor_bad_response"
     TOOL_EXECUTOR_BLOCKED = "tool_executor_blocked"
     TOOL_ROUNDS_EXHAUSTED = "tool_rounds_exhausted"
+    INVALID_TOOL_CALLS = "invalid_tool_calls"
     # A relay-side failure with a code outside this set (logged, so the set can grow).
     RELAY_ERROR = "relay_error"
 

@@ -11,6 +11,8 @@ calls made with that API key (or "*" for any); unscripted calls succeed.
 """
 
 import json
+import select
+import socket
 import threading
 import time
 from collections import deque
@@ -145,6 +147,7 @@ class DemoUpstream(ThreadingHTTPServer):
         self.received: list[dict] = []
         self.in_flight = 0
         self.max_in_flight = 0
+        self.closed_by_client = 0  # held requests whose caller closed the connection
         # Provider-style rate limiting (tests): requests per second per API key, fixed 1 s windows.
         self.rate_per_key: int | None = None
         self.rate_window = 1.0
@@ -169,6 +172,7 @@ class DemoUpstream(ThreadingHTTPServer):
             self.scripts.clear()
             self.received.clear()
             self.max_in_flight = self.in_flight
+            self.closed_by_client = 0
             self.rate_per_key = None
             self.rate_windows.clear()
             self.rate_stats = {"ok": 0, "limited": 0}
@@ -273,6 +277,24 @@ class _Handler(BaseHTTPRequestHandler):
             with srv.lock:
                 srv.in_flight -= 1
 
+    def _hold(self, event: threading.Event, timeout: float) -> bool:
+        """Wait for `event`, noticing a client that closes the connection meanwhile (False), as a
+        provider does: a held request whose caller gave up stops counting as in flight."""
+        deadline = time.monotonic() + timeout
+        while not event.wait(0.05):
+            if time.monotonic() >= deadline:
+                return True
+            readable, _, _ = select.select([self.connection], [], [], 0)
+            if readable:
+                try:
+                    if self.connection.recv(1, socket.MSG_PEEK) == b"":
+                        with self.server.lock:
+                            self.server.closed_by_client += 1
+                        return False
+                except OSError:
+                    return False
+        return True
+
     def _answer(self, srv: DemoUpstream, key: str, body: dict, raw: bytes = b""):
         allowed, limit_headers = srv.rate_decision(key)
         if not allowed:
@@ -291,10 +313,10 @@ class _Handler(BaseHTTPRequestHandler):
             reply = srv.rule_for(raw) or srv.next_reply(key)
             reply = Reply(**{**reply.__dict__, "headers": {**limit_headers, **reply.headers}})
         if reply.hang:
-            srv.stopping.wait(600)
+            self._hold(srv.stopping, 600)
             return
-        if reply.gate is not None:
-            reply.gate.wait(120)
+        if reply.gate is not None and not self._hold(reply.gate, 120):
+            return
         if reply.delay:
             srv.stopping.wait(reply.delay)
         if self.path not in KNOWN_PATHS and reply.body is None:

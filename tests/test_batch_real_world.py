@@ -227,3 +227,26 @@ def test_work_resumes_promptly_after_a_postgresql_restart(workers, catalog, fake
     assert w.alive(), w.output()
     assert states(batch) == {"completed": 400}
     assert_billed_once(batch)
+
+
+def test_cancel_closes_the_running_calls_and_never_exceeds_8_per_worker(workers, catalog, fake):
+    """The provider sees every running request's connection closed soon after a cancel (it stops
+    generating billable tokens), and the freed slots start new work only after that."""
+    w = workers("cancel")
+    fake.answer_when("<held>", Reply(hang=True))
+    first = native_batch(catalog, 12, content="<held>")
+    wait_for(lambda: fake.in_flight == 8, 30, what="8 held calls")
+    services.cancel(Batch.objects.get(pk=first.pk))
+    cancelled = time.monotonic()
+    wait_for(lambda: fake.in_flight == 0, 10, interval=0.05, what="the provider to see every call closed")
+    print(f"\n8 running calls closed {time.monotonic() - cancelled:.1f} s after the cancel")
+    assert fake.closed_by_client >= 8
+    wait_for(lambda: Batch.objects.get(pk=first.pk).completed_at, 10, what="the cancelled batch")
+    assert states(first) == {"cancelled": 12}
+    second = native_batch(catalog, 10, content="<held>")
+    wait_for(lambda: fake.in_flight == 8, 30, what="the next batch's calls")
+    assert fake.max_in_flight <= 8
+    services.cancel(Batch.objects.get(pk=second.pk))
+    wait_for(lambda: fake.in_flight == 0, 10, interval=0.05, what="the second batch's calls closed")
+    assert w.alive(), w.output()
+    assert not UsageEvent.objects.filter(batch_id=str(first.pk), status=200).exists()

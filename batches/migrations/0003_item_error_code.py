@@ -10,6 +10,7 @@ KNOWN = {
     "timeout", "credential_invalid", "policy_unavailable", "invalid_item", "streaming_unsupported",
     "batch_cancelled", "batch_expired", "invalid_tool_config", "tool_config_moved", "tool_executor_timeout",
     "tool_executor_error", "tool_executor_bad_response", "tool_executor_blocked", "tool_rounds_exhausted",
+    "invalid_tool_calls",
 }
 
 
@@ -42,6 +43,6 @@ class Migration(migrations.Migration):
         migrations.RunPython(backfill_codes, migrations.RunPython.noop),
         migrations.AddConstraint(
             model_name='item',
-            constraint=models.CheckConstraint(condition=models.Q(('error_code__in', ['', 'upstream_error', 'rate_limit_exceeded', 'no_keys', 'upstream_unavailable', 'upstream_unreachable', 'client_canceled', 'cross_shape_dispatch', 'model_not_found', 'model_not_allowed', 'no_policy', 'policy_disabled', 'no_host_binding', 'invalid_request', 'request_too_large', 'project_unavailable', 'timeout', 'credential_invalid', 'policy_unavailable', 'invalid_item', 'streaming_unsupported', 'worker_lost', 'batch_cancelled', 'batch_expired', 'invalid_tool_config', 'tool_config_moved', 'tool_executor_timeout', 'tool_executor_error', 'tool_executor_bad_response', 'tool_executor_blocked', 'tool_rounds_exhausted', 'relay_error'])), name='item_error_code_known'),
+            constraint=models.CheckConstraint(condition=models.Q(('error_code__in', ['', 'upstream_error', 'rate_limit_exceeded', 'no_keys', 'upstream_unavailable', 'upstream_unreachable', 'client_canceled', 'cross_shape_dispatch', 'model_not_found', 'model_not_allowed', 'no_policy', 'policy_disabled', 'no_host_binding', 'invalid_request', 'request_too_large', 'project_unavailable', 'timeout', 'credential_invalid', 'policy_unavailable', 'invalid_item', 'streaming_unsupported', 'worker_lost', 'batch_cancelled', 'batch_expired', 'invalid_tool_config', 'tool_config_moved', 'tool_executor_timeout', 'tool_executor_error', 'tool_executor_bad_response', 'tool_executor_blocked', 'tool_rounds_exhausted', 'invalid_tool_calls', 'relay_error'])), name='item_error_code_known'),
         ),
     ]

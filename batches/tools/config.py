@@ -14,17 +14,19 @@ executor is called, by `netguard`, because DNS answers change after submit.
 
 from dataclasses import dataclass, field
 
+from batches.outcomes import Code
 from batches.tools import netguard
 
-# Failure codes a record can end with (README.md, "Tool calling inside batch records", lists them with their meaning).
-INVALID_TOOL_CONFIG = "invalid_tool_config"
-TOOL_CONFIG_MOVED = "tool_config_moved"
-TOOL_EXECUTOR_TIMEOUT = "tool_executor_timeout"
-TOOL_EXECUTOR_ERROR = "tool_executor_error"
-TOOL_EXECUTOR_BAD_RESPONSE = "tool_executor_bad_response"
-TOOL_EXECUTOR_BLOCKED = "tool_executor_blocked"
-TOOL_ROUNDS_EXHAUSTED = "tool_rounds_exhausted"
-INVALID_TOOL_CALLS = "invalid_tool_calls"  # the model ended with "tool_calls" but sent none usable
+# Failure codes a record can end with (README.md, "Tool calling inside batch records", lists them with
+# their meaning): members of the one set of item failure codes, batches.outcomes.Code.
+INVALID_TOOL_CONFIG = Code.INVALID_TOOL_CONFIG
+TOOL_CONFIG_MOVED = Code.TOOL_CONFIG_MOVED
+TOOL_EXECUTOR_TIMEOUT = Code.TOOL_EXECUTOR_TIMEOUT
+TOOL_EXECUTOR_ERROR = Code.TOOL_EXECUTOR_ERROR
+TOOL_EXECUTOR_BAD_RESPONSE = Code.TOOL_EXECUTOR_BAD_RESPONSE
+TOOL_EXECUTOR_BLOCKED = Code.TOOL_EXECUTOR_BLOCKED
+TOOL_ROUNDS_EXHAUSTED = Code.TOOL_ROUNDS_EXHAUSTED
+INVALID_TOOL_CALLS = Code.INVALID_TOOL_CALLS  # the model ended with "tool_calls" but sent none usable
 TOOL_LOOP_CANCELLED = "cancelled"
 
 OPENRELAY_KEY = "openrelay"
