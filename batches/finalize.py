@@ -1,6 +1,6 @@
 """Finalization of an OpenAI-surface batch: the output and error files, then the final status.
 
-Runs in a Celery task on queue `batch` (batches.tasks.finalize_openai_batch)
+Runs in a Celery task on the control queue (batches.tasks.finalize_openai_batch)
 once every item is final. Items are read in pages of 1,000 by index and each
 becomes one JSONL line, written straight to the payload store, so memory stays
 constant however large the batch. Every record lands exactly once in one of
@@ -36,6 +36,7 @@ _NATIVE_PREFIXES = ("batch item: ", "batch: ")
 def finalize(batch_id) -> None:
     """finalizing|cancelling (no pending item) → completed | expired | cancelled, with its files."""
     with transaction.atomic():
+        lifecycle.allow_long_transaction()  # reads every result between page queries, holding the row
         # Another worker finalizing it holds the row: leave it to them.
         batch = lifecycle.lock(batch_id, Surface.OPENAI, [BatchStatus.FINALIZING, BatchStatus.CANCELLING])
         if batch is None:

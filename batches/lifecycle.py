@@ -45,7 +45,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from django.conf import settings
-from django.db import connection, transaction
+from django.db import OperationalError, connection, transaction
 from django.db.models import Exists, F, OuterRef, Q
 from django.utils import timezone
 
@@ -61,6 +61,7 @@ from batches.models import (
     Surface,
 )
 from batches.outcomes import Code
+from relay.errors import RelayError
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +174,18 @@ def move(batch_id, surface: str, to: str, *, frm: Iterable[str] | None = None, *
     if stamp and stamp not in fields:
         fields[stamp] = timezone.now()
     return Batch.objects.filter(pk=batch_id, surface=surface, status__in=allowed).update(status=to, **fields) > 0
+
+
+# Validation and finalization do file work between statements while they hold their batch's row:
+# the session-wide idle-in-transaction timeout (meant for a frozen process) would kill a large one.
+LONG_TRANSACTION_IDLE_MS = 10 * 60 * 1000
+
+
+def allow_long_transaction() -> None:
+    """Inside a control job's transaction: let it idle between statements for up to 10 minutes."""
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute(f"SET LOCAL idle_in_transaction_session_timeout = {LONG_TRANSACTION_IDLE_MS}")
 
 
 def lock(batch_id, surface: str, statuses: Iterable[str]) -> Batch | None:
@@ -289,6 +302,13 @@ def release_item(item: Item, not_before, record: Callable[[], None], *, counts: 
             if not _fenced(item).update(**fields):
                 return False
             record()
+            flags = Batch.objects.filter(pk=item.batch_id).values_list("cancel_requested_at", "expired_at").first()
+            if flags is not None and flags[0] is not None:
+                # Cancelled or expired while this attempt ran: end the item now, not at the next sweep.
+                cancel_pending_items(item.batch_id, Code.BATCH_EXPIRED if flags[1] else Code.BATCH_CANCELLED)
+                batch_id = item.batch_id
+                transaction.on_commit(lambda: complete_if_done(batch_id))
+                return True
             if pause_batch:
                 Batch.objects.filter(
                     Q(not_before__isnull=True) | Q(not_before__lt=not_before), pk=item.batch_id
@@ -311,7 +331,8 @@ RETURNING id, batch_id, attempt, started_at
 """
 _LOST_SQL = """
 SELECT id, batch_id, attempt, started_at FROM batches_item
-WHERE state = 'running' AND lease_expires_at < %s LIMIT 1000 FOR UPDATE SKIP LOCKED
+WHERE state = 'running' AND lease_expires_at < %s AND retries + 1 >= max_attempts
+LIMIT 1000 FOR UPDATE SKIP LOCKED
 """
 
 
@@ -324,12 +345,15 @@ def rescue_expired_leases(now, record: Callable[[list], None]) -> int:
             .values_list("id", "batch_id", "attempt", "started_at")
             .order_by()[:1000]
         )
+        rescued = []
         with transaction.atomic():
-            Item.objects.filter(pk__in=[r[0] for r in rows], state=St.RUNNING, lease_expires_at__lt=now).update(
-                state=St.AVAILABLE, lease_owner="", lease_expires_at=None, retries=F("retries") + 1
-            )
-            record(rows)
-        return len(rows)
+            for row in rows:  # SQLite serialises writers: one conditional UPDATE per row is the fence
+                if Item.objects.filter(pk=row[0], state=St.RUNNING, lease_expires_at__lt=now).update(
+                    state=St.AVAILABLE, lease_owner="", lease_expires_at=None, retries=F("retries") + 1
+                ):
+                    rescued.append(row)
+            record(rescued)
+        return len(rescued)
     with transaction.atomic(), connection.cursor() as cursor:
         cursor.execute(_RESCUE_SQL, [now])
         rows = cursor.fetchall()
@@ -347,7 +371,7 @@ def discard_lost_items(now, record: Callable[[object, object, int, object], None
                 lost = cursor.fetchall()
         else:
             lost = list(
-                Item.objects.filter(state=St.RUNNING, lease_expires_at__lt=now)
+                Item.objects.filter(state=St.RUNNING, lease_expires_at__lt=now, retries__gte=F("max_attempts") - 1)
                 .values_list("id", "batch_id", "attempt", "started_at")
                 .order_by()[:1000]
             )
@@ -435,7 +459,6 @@ def unfinished_batches(limit: int = 100) -> list:
     anthropic = Q(surface=Surface.ANTHROPIC, status__in=OPEN[Surface.ANTHROPIC])
     return list(
         Batch.objects.filter(native | openai | anthropic)
-        .filter(total_items__gt=0)
         .filter(~Exists(pending))
         .values_list("id", "surface", "status", "finalizing_at", "cancelling_at")[:limit]
     )
@@ -458,14 +481,46 @@ def start_cancelling(batch_id, surface: str, frm) -> bool:
     """→ cancelling; pending items cancelled now, running ones stop at their next heartbeat (on every
     replica); cancelled once none is pending (complete_if_done). True if it moved."""
     now = timezone.now()
-    with transaction.atomic():
-        # Waits for a running validation (it holds the row) and re-checks the status after it.
-        moved = move(batch_id, surface, S.CANCELLING, frm=frm, cancel_requested_at=now)
-        if moved:
-            cancel_pending_items(batch_id, Code.BATCH_CANCELLED)
+    try:
+        with transaction.atomic():
+            # Waits for a running validation (it holds the row; up to CANCEL_WAIT_MS, then BatchBusy)
+            # and re-checks the status after it.
+            _wait_for_row_lock(CANCEL_WAIT_MS)
+            moved = move(batch_id, surface, S.CANCELLING, frm=frm, cancel_requested_at=now)
+            if moved:
+                cancel_pending_items(batch_id, Code.BATCH_CANCELLED)
+    except OperationalError as exc:
+        if getattr(exc.__cause__, "pgcode", None) == LOCK_NOT_AVAILABLE:
+            raise BatchBusy() from exc
+        raise
     if moved:
         complete_if_done(batch_id)
     return moved
+
+
+CANCEL_WAIT_MS = 120_000
+
+
+LOCK_NOT_AVAILABLE = "55P03"  # PostgreSQL's SQLSTATE for lock_timeout
+
+
+class BatchBusy(RelayError):
+    """The batch's row stayed locked (a long validation) longer than a cancel waits for it: a clear
+    503 to retry, in each surface's own envelope, rather than a 500."""
+
+    def __init__(self):
+        super().__init__(
+            503,
+            "batch_busy",
+            "The batch is still being validated; retry the cancel shortly.",
+            headers={"Retry-After": 5},
+        )
+
+
+def _wait_for_row_lock(ms: int) -> None:
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute(f"SET LOCAL lock_timeout = {int(ms)}")
 
 
 def cancel_openai(batch_id) -> bool:

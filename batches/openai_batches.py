@@ -237,7 +237,7 @@ def _model_hint(value) -> str | None:
 
 def _input_file(principal: Principal, public_id: str) -> File:
     pk = selectors.parse_public_id(public_id, "file-")
-    file = File.objects.filter(pk=pk, owner_hash=principal.owner_hash).first() if pk is not None else None
+    file = selectors.live_files(principal).filter(pk=pk).first() if pk is not None else None
     if file is None:
         raise invalid(f"No file found with id '{public_id}'.", param="input_file_id", code="file_not_found")
     if file.purpose != FilePurpose.BATCH:

@@ -5,13 +5,15 @@ import re
 import uuid
 from collections.abc import Iterator
 
-from django.db.models import CharField, Count, IntegerField, OuterRef, Subquery, Sum
-from django.db.models.functions import Cast, Coalesce
+from django.db.models import Count, IntegerField, OuterRef, Q, Subquery, Sum
+from django.db.models.functions import Coalesce
+from django.utils import timezone
 
 from batches import storage
 from batches.errors import invalid, not_found
 from batches.models import Attempt, Batch, File, FilePurpose, Item, ItemState, Surface
 from relay.auth import Principal
+from relay.dbfunctions import UUIDText
 from relay.errors import RelayError
 from usage.models import UsageEvent
 
@@ -223,7 +225,7 @@ def with_progress(qs):
         annotations[f"n_{state}"] = Subquery(
             items.values("batch_id").annotate(c=Count("*")).values("c"), output_field=IntegerField()
         )
-    events = UsageEvent.objects.filter(batch_id=Cast(OuterRef("pk"), CharField())).order_by()
+    events = UsageEvent.objects.filter(batch_id=UUIDText(OuterRef("pk"))).order_by()
     by_batch = events.values("batch_id")
     annotations["usage_n"] = Subquery(by_batch.annotate(v=Count("*")).values("v"), output_field=IntegerField())
     for name, column in _USAGE_SUMS.items():
@@ -285,9 +287,16 @@ def usage(batch: Batch) -> dict | None:
     }
 
 
+def live_files(principal: Principal):
+    """The caller's files that have not expired: one past its `expires_at` is gone from the API at once,
+    even before the retention sweep removes its row and bytes."""
+    now = timezone.now()
+    return File.objects.filter(Q(expires_at__isnull=True) | Q(expires_at__gt=now), owner_hash=principal.owner_hash)
+
+
 def file_for_owner(public_id: str, principal: Principal) -> File:
     pk = parse_public_id(public_id, "file-")
-    file = File.objects.filter(pk=pk, owner_hash=principal.owner_hash).first() if pk is not None else None
+    file = live_files(principal).filter(pk=pk).first() if pk is not None else None
     if file is None:
         raise not_found(f"No such File object: {public_id}")
     return file
@@ -299,7 +308,7 @@ def files_page(principal: Principal, params) -> tuple[list[File], bool]:
     order = params.get("order") or "desc"
     if order not in ("asc", "desc"):
         raise invalid(f"Invalid value for 'order': {order!r}. Use 'asc' or 'desc'.", param="order")
-    qs = File.objects.filter(owner_hash=principal.owner_hash)
+    qs = live_files(principal)
     purpose = params.get("purpose")
     if purpose:
         if purpose not in FilePurpose.values:

@@ -514,21 +514,44 @@ def sweep() -> dict:
     """Rescue expired leases, finish what nothing else will, expire OpenAI batches past their window,
     re-send lost control messages, then top up wake-ups. Idempotent; any replica may run it."""
     now = timezone.now()
-    rescued = lifecycle.rescue_expired_leases(now, _record_rescued)
-    discarded = lifecycle.discard_lost_items(now, _record_lost)
-    lifecycle.cancel_orphans()  # cancelled batches whose running items died
-    expired = openai_batches.expire_due(now) + anthropic_batches.expire_due(now)
     stale = now - timezone.timedelta(seconds=settings.RELAY_BATCH_LEASE_SECONDS)
-    for batch_id in openai_batches.lost_validations(stale):
+    # Each step on its own: one that fails (a row held by a frozen process, a lock timeout) must
+    # not skip the others, least of all the wake-ups at the end.
+    rescued = _step("rescue", lambda: lifecycle.rescue_expired_leases(now, _record_rescued))
+    discarded = _step("discard", lambda: lifecycle.discard_lost_items(now, _record_lost))
+    _step("cancel orphans", lifecycle.cancel_orphans)  # cancelled batches whose running items died
+    expired = _step("expire", lambda: openai_batches.expire_due(now) + anthropic_batches.expire_due(now))
+    _step("lost validations", lambda: _redispatch_lost_validations(stale))
+    _step("unfinished batches", lambda: _finish_unfinished(stale))
+    woken = _step("wake", lifecycle.wake_workers)
+    return {"rescued": rescued, "discarded": discarded, "expired": expired, "woken": woken}
+
+
+def _step(name: str, fn):
+    try:
+        return fn()
+    except Exception:
+        log.exception("sweep step %r failed; the next sweep retries it", name)
+        connection.close_if_unusable_or_obsolete()
+        return 0
+
+
+def _redispatch_lost_validations(stale) -> int:
+    lost = openai_batches.lost_validations(stale)
+    for batch_id in lost:
         lifecycle.redispatch("validate_openai_batch", batch_id)
-    for batch_id, surface, status, finalizing_at, cancelling_at in lifecycle.unfinished_batches():
+    return len(lost)
+
+
+def _finish_unfinished(stale) -> int:
+    batches = lifecycle.unfinished_batches()
+    for batch_id, surface, status, finalizing_at, cancelling_at in batches:
         if surface == Surface.OPENAI and status in (BatchStatus.FINALIZING, BatchStatus.CANCELLING):
             if (finalizing_at or cancelling_at) < stale:
                 lifecycle.redispatch("finalize_openai_batch", batch_id)  # finalize's message was lost
         else:
             lifecycle.complete_if_done(batch_id)
-    woken = lifecycle.wake_workers()
-    return {"rescued": rescued, "discarded": discarded, "expired": expired, "woken": woken}
+    return len(batches)
 
 
 _LOST = "batch: the worker running this attempt was lost (its lease ran out)"

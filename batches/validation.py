@@ -58,6 +58,7 @@ def _error(code: str, message: str, *, line: int | None = None, param: str | Non
 def validate(batch_id) -> None:
     """validating → in_progress (items stored) or failed (errors); a no-op for any other status."""
     with transaction.atomic():
+        lifecycle.allow_long_transaction()  # file work between statements, holding the batch's row
         # Another worker validating it (a re-sent message) holds the row: leave it to them.
         batch = lifecycle.lock(batch_id, Surface.OPENAI, [BatchStatus.VALIDATING])
         if batch is None:

@@ -179,6 +179,8 @@ def _dispatch(call: Call, ctx: dict, started: float) -> Outcome:
                 # 400/404/422…: the request is at fault, not the key; the key answered fine.
                 breaker.record_success(cand.key_hash)
                 break
+            if failure is Failure.RATE_LIMITED and _retry_after(resp) is not None:
+                waits.append(_retry_after(resp))  # this key's own wait; the soonest of the keys tried counts
             if failure is Failure.SERVER and not call.server_error_benches_key:
                 breaker.release_probe(cand.key_hash)  # the request, not the key, is the likelier culprit
             else:
@@ -189,7 +191,8 @@ def _dispatch(call: Call, ctx: dict, started: float) -> Outcome:
         inbound.release()  # no-op after a commit
 
     if last_response is not None:
-        ctx["retry_after"] = _capped(_retry_after(last_response)) if last_response.status == 429 else None
+        # Every key tried answered 429: capacity is back when the soonest of them said.
+        ctx["retry_after"] = _capped(min(waits)) if last_response.status == 429 and waits else None
         return _finish(
             call,
             ctx,

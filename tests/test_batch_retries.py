@@ -315,3 +315,36 @@ def test_transitions_outside_the_table_are_refused(catalog):
         lifecycle.move(b.pk, "native", "finalizing")
     with pytest.raises(lifecycle.IllegalTransition):
         lifecycle.move(b.pk, "openai", "in_progress", frm=["completed"])
+
+
+def test_discarding_lost_items_never_takes_one_with_attempts_left(catalog, fake):
+    """Even when the rescue step passed a row over (held by a frozen process, or past its page)."""
+    native_batch(catalog)
+    item = services.claim("lost-once")
+    expire_lease(item.pk)
+    assert lifecycle.discard_lost_items(timezone.now(), lambda *row: None) == 0
+    assert Item.objects.get(pk=item.pk).state == "running"  # the next rescue gives it back
+    assert services.sweep()["rescued"] == 1
+
+
+def test_a_batch_cancelled_while_validating_is_finalized_even_if_the_message_is_lost(catalog):
+    principal = auth.principal_for_key(catalog.key)
+    records = [{"custom_id": "a", "method": "POST", "url": CHAT, "body": chat()}]
+    body = {"endpoint": CHAT, "completion_window": "24h", "requests": records}
+    with ingest.read_submission(io.BytesIO(json.dumps(body).encode()), 10**7, 10) as submission:
+        batch = openai_batches.create(principal, submission)
+    assert services.cancel(batch)
+    get_redis().delete("control")  # the finalize message is lost
+    Batch.objects.filter(pk=batch.pk).update(cancelling_at=timezone.now() - timedelta(minutes=5))
+    services.sweep()
+    queued = [json.loads(m)["headers"]["task"] for m in get_redis().lrange("control", 0, -1)]
+    assert "batches.tasks.finalize_openai_batch" in queued
+
+
+def test_an_item_released_after_its_batch_was_cancelled_is_cancelled_at_once(catalog, fake):
+    b = openai_batch(catalog)
+    fake.script("*", [Reply(status=500)])
+    item = services.claim("r")
+    Batch.objects.filter(pk=b.pk).update(cancel_requested_at=timezone.now())  # a cancel lands mid-attempt
+    services.run_item(item)  # the attempt fails transiently; instead of a retry, the item is cancelled
+    assert Item.objects.get(pk=item.pk).state == "cancelled"

@@ -5,6 +5,7 @@ import io
 import json
 import os
 import time
+import uuid
 from datetime import timedelta
 from pathlib import Path
 
@@ -240,3 +241,12 @@ def test_orphan_report_and_clean(catalog, tmp_path):
         out = io.StringIO()
         call_command("payload_orphans", stdout=out)
         assert "0 orphaned payload(s)" in out.getvalue()
+
+
+def test_an_expired_file_is_gone_from_the_api_before_the_sweep(client, catalog):
+    body = upload(catalog.key).json()
+    File.objects.filter(pk=uuid.UUID(hex=body["id"][5:])).update(expires_at=timezone.now() - timedelta(seconds=1))
+    h = {"Authorization": f"Bearer {catalog.key}"}
+    assert client.get(f"/v1/files/{body['id']}", headers=h).status_code == 404
+    assert client.get(f"/v1/files/{body['id']}/content", headers=h).status_code == 404
+    assert body["id"] not in [f["id"] for f in client.get("/v1/files", headers=h).json()["data"]]

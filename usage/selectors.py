@@ -7,10 +7,10 @@ and a summary is one GROUP BY, however many events there are.
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from django.db.models import CharField, Count, Q, QuerySet, Sum
-from django.db.models.functions import Cast
+from django.db.models import Count, Q, QuerySet, Sum
 
 from relay.auth import Principal
+from relay.dbfunctions import UUIDText
 from usage.models import UsageEvent
 
 # The event-time slugs a caller may filter and group on.
@@ -73,7 +73,7 @@ def filtered_events(viewer: Viewer, filters: EventFilters) -> QuerySet[UsageEven
     if filters.batch_surfaces:
         from batches.models import Batch
 
-        batches = Batch.objects.filter(surface__in=filters.batch_surfaces).annotate(sid=Cast("id", CharField()))
+        batches = Batch.objects.filter(surface__in=filters.batch_surfaces).annotate(sid=UUIDText("id"))
         qs = qs.filter(batch_id__in=batches.values("sid"))
     return qs
 
