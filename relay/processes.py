@@ -19,9 +19,9 @@ import tempfile
 
 # 8 items in flight per replica, shared by all batches (design §4).
 WORKER_CONCURRENCY = 8
-# Validation and finalization of large batches take seconds; two slots keep one
-# long job (or one frozen process) from holding up the sweeper.
-CONTROL_CONCURRENCY = 2
+# Validation and finalization of large batches take seconds; four slots keep a few
+# long jobs (or one frozen process) from holding up the sweeper and the wake-ups.
+CONTROL_CONCURRENCY = 4
 ITEM_QUEUES = "batch"
 CONTROL_QUEUES = "control,default"
 ROLES = ("worker", "control", "beat")

@@ -4,6 +4,15 @@ import django.db.models.deletion
 from django.db import migrations, models
 
 
+def no_session_timeouts(apps, schema_editor):
+    """This migration rewrites batches_item (attempt becomes an integer): on a large table that takes
+    longer than the relay's session timeouts allow, so lift them for this migration's transaction."""
+    if schema_editor.connection.vendor == "postgresql":
+        schema_editor.execute("SET LOCAL statement_timeout = 0")
+        schema_editor.execute("SET LOCAL lock_timeout = 0")
+        schema_editor.execute("SET LOCAL idle_in_transaction_session_timeout = 0")
+
+
 class Migration(migrations.Migration):
 
     dependencies = [
@@ -11,6 +20,7 @@ class Migration(migrations.Migration):
     ]
 
     operations = [
+        migrations.RunPython(no_session_timeouts, migrations.RunPython.noop),
         migrations.CreateModel(
             name='Attempt',
             fields=[
