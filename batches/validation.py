@@ -139,21 +139,22 @@ def _ingest(batch: Batch, source: File, writer) -> _Ingest:
             if not result.model and isinstance(body.get("model"), str):
                 result.model = body["model"][:200]
             idx = result.records - 1
+            failure = _record_failure(body, batch.endpoint)
+            # A new row is inserted in its first state: available, or discarded for a record refused here.
             item = {
                 "id": uuid6.uuid7(),
                 "batch_id": batch.id,
                 "idx": idx,
-                "state": ItemState.AVAILABLE,
+                "state": ItemState.AVAILABLE if failure is None else ItemState.DISCARDED,
                 "custom_id": record["custom_id"],
                 "input_ref": writer.add(idx, ingest.dumps(body)),
                 "max_attempts": batch.max_attempts,
             }
-            failure = _record_failure(body, batch.endpoint)
             if failure is None:
                 result.available += 1
             else:
-                code, message = failure
-                item.update(state=ItemState.DISCARDED, finished_at=now, error_code=code, error=message)
+                item["error_code"], item["error"] = failure
+                item["finished_at"] = now
                 events.append(_rejected_event(batch, item, body))
             items.append(item)
             if len(items) >= _FLUSH:
