@@ -354,6 +354,70 @@ def finish_item(item: Item, state: str, record: Callable[[], None], **fields) ->
     return durably(write)
 
 
+def model_row(obj) -> tuple[str, list[str], list]:
+    """A model instance as (table, columns, values) for `finish_item_at_once` (its id left to the database)."""
+    fields = [f for f in obj._meta.concrete_fields if not f.primary_key]
+    values = [f.get_db_prep_save(getattr(obj, f.attname), connection) for f in fields]
+    return obj._meta.db_table, [f.column for f in fields], values
+
+
+def finish_item_at_once(item: Item, state: str, rows: list[tuple[str, list[str], list]], **fields) -> bool:
+    """`finish_item` as one statement on PostgreSQL: the fenced running → `state` and the rows that go with
+    it (the attempt, the usage events: (table, columns, values)) written by the same statement, only
+    when the fenced update matched, and committed together, with no BEGIN/COMMIT round trips. Usage
+    events keep their ON CONFLICT DO NOTHING (written once per request_id); other rows are plain
+    INSERTs. Other databases: `finish_item` with the same rows.
+    """
+    if state not in ITEM_TRANSITIONS[St.RUNNING] or state == St.AVAILABLE:
+        raise IllegalTransition(f"item: running → {state!r} is not a finish")
+    if connection.vendor != "postgresql":
+
+        def record() -> None:
+            with connection.cursor() as cursor:
+                for sql, params in _row_inserts(rows, ""):
+                    cursor.execute(sql, params)
+
+        return finish_item(item, state, record, **fields)
+    qn = connection.ops.quote_name
+    now = timezone.now()
+    sets = {"state": state, "finished_at": now, "lease_expires_at": None, **fields}
+    opts = Item._meta
+    assign = ", ".join(f"{qn(opts.get_field(k).column)} = %s" for k in sets)
+    params = [opts.get_field(k).get_db_prep_save(v, connection) for k, v in sets.items()]
+    params += [item.pk, St.RUNNING, item.lease_owner, item.attempt]
+    parts = [
+        f"fin AS (UPDATE {qn(opts.db_table)} SET {assign} "
+        "WHERE id = %s AND state = %s AND lease_owner = %s AND attempt = %s RETURNING 1)"
+    ]
+    for i, (sql, values) in enumerate(_row_inserts(rows, " FROM fin")):
+        parts.append(f"w{i} AS ({sql})")
+        params += values
+    sql = "WITH " + ",\n".join(parts) + "\nSELECT count(*) FROM fin"
+
+    def write() -> bool:
+        with connection.cursor() as cursor:
+            cursor.execute(sql, params)
+            won = cursor.fetchone()[0] > 0
+        if won:
+            batch_id = item.batch_id
+            transaction.on_commit(lambda: complete_if_done(batch_id))
+        return won
+
+    return durably(write)
+
+
+def _row_inserts(rows, source: str):
+    """INSERT … SELECT <values>[ FROM fin] per row; usage events ON CONFLICT DO NOTHING."""
+    from usage.models import UsageEvent
+
+    qn = connection.ops.quote_name
+    for table, columns, values in rows:
+        cols = ", ".join(qn(c) for c in columns)
+        marks = ", ".join(["%s"] * len(values))
+        conflict = " ON CONFLICT DO NOTHING" if table == UsageEvent._meta.db_table else ""
+        yield f"INSERT INTO {qn(table)} ({cols}) SELECT {marks}{source}{conflict}", list(values)
+
+
 def release_item(item: Item, not_before, record: Callable[[], None], *, counts: bool, pause_batch: bool) -> bool:
     """running → available until `not_before`, fenced on the claim: a retry (`counts`: it uses up an
     attempt) or a wait for capacity (`pause_batch`: the whole batch waits, it shares the capacity).

@@ -28,7 +28,7 @@ from batches.tools.loop import run_tool_loop
 from relay import auth, catalog, jsonguard, pipeline
 from relay.errors import RelayError
 from usage.pricing import with_batch_price
-from usage.services import record_event
+from usage.services import event_row, record_event
 
 log = logging.getLogger(__name__)
 
@@ -410,23 +410,22 @@ def _finish(item: Item, state: str, *, run: _Run, code: str = "", error: str = "
         item, run, "finish", code=code, error=error, error_body=fields.get("error_body", ""), always=True
     )
 
-    def record() -> None:
-        attempt.save()
-        events = run.events if run.events is not None else ([outcome.event] if outcome is not None else [])
-        if not events:
-            record_event(**_event_without_dispatch(batch, item.pk, code, error), fetch=False)
-        for i, event in enumerate(events):
-            event = dict(event)
-            if i == len(events) - 1 and code and not event.get("error_kind"):
-                # The item failed after its last invocation answered (a tool failure, say).
-                event["error_kind"] = code
-                event["error_message"] = error[:500]
-            record_event(**with_batch_price(event, batch.discount_percent), fetch=False)
-
-    return lifecycle.finish_item(
+    events = run.events if run.events is not None else ([outcome.event] if outcome is not None else [])
+    if not events:
+        events = [_event_without_dispatch(batch, item.pk, code, error)]
+    else:
+        events = [with_batch_price(dict(event), batch.discount_percent) for event in events]
+        last = events[-1]
+        if code and not last.get("error_kind"):
+            # The item failed after its last invocation answered (a tool failure, say).
+            last["error_kind"] = code
+            last["error_message"] = error[:500]
+    # One statement: the fenced finish, the attempt row and the usage event(s), committed together.
+    rows = [lifecycle.model_row(attempt), *(event_row(connection, **event) for event in events)]
+    return lifecycle.finish_item_at_once(
         item,
         state,
-        record,
+        rows,
         status_code=outcome.status if outcome is not None and outcome.origin == "upstream" else None,
         error=error[:1000],
         error_code=code,
