@@ -46,7 +46,7 @@ from collections.abc import Callable, Iterable
 
 from django.conf import settings
 from django.db import OperationalError, connection, transaction
-from django.db.models import Exists, F, OuterRef, Q
+from django.db.models import Count, Exists, F, OuterRef, Q
 from django.utils import timezone
 
 from batches.models import (
@@ -210,14 +210,49 @@ def cancel_pending_items(batch_id, code: str = Code.BATCH_CANCELLED) -> int:
     )
 
 
-_CLAIM_SQL = """
-UPDATE batches_item SET state = 'running', attempt = attempt + 1, lease_owner = %s,
-       lease_expires_at = %s, started_at = %s, not_before = NULL
-WHERE id = (SELECT id FROM batches_item WHERE batch_id = %s AND state = 'available'
-            AND (not_before IS NULL OR not_before <= %s)
-            ORDER BY idx LIMIT 1 FOR UPDATE SKIP LOCKED)
-RETURNING *
+# Claims, on PostgreSQL. Every scan is index-backed and reads only live rows of the batch it looks at,
+# so a claim costs the same at the 50,000th item of a batch as at the first, with or without vacuum:
+# - the running items of a batch: the partial index item_running (a few entries per batch: the slots);
+# - its next available item: the partial index item_available on (batch, idx), in idx order (the
+#   `not_before` test is a filter on the rows that index returns; only items waiting out a backoff
+#   are passed over).
+_CLAIMABLE_SQL = ", ".join(f"'{s}'" for s in CLAIMABLE)
+# Batches that may run now, fairest first: fewest running items (an index-only count over the partial
+# index item_running: the few running rows of that batch), then the oldest.
+_FAIR_ORDER = f"""
+    SELECT b.id FROM batches_batch b
+    WHERE b.status IN ({_CLAIMABLE_SQL}) AND (b.not_before IS NULL OR b.not_before <= %(now)s)
+    ORDER BY (SELECT count(*) FROM batches_item r WHERE r.batch_id = b.id AND r.state = 'running'), b.created_at"""
+# available → running for the batch's next item (partial index item_available on (batch, idx), in idx
+# order; the not_before test filters the rows it returns, so only items waiting out a backoff are
+# passed over). `idx >= floor`: the drain's last claim in that batch, so the scan starts past the index
+# entries of items already claimed, which stay in the index until a vacuum; the first claim of every
+# drain, and the fallback below, have no floor, so an item released behind it is never left behind.
+# A native batch's first claim also moves it queued → running (a no-op after that).
+_CLAIM_TEMPLATE = """
+WITH pick AS MATERIALIZED ({pick}),
+claimed AS (
+    UPDATE batches_item SET state = 'running', attempt = attempt + 1, lease_owner = %(owner)s,
+           lease_expires_at = %(lease)s, started_at = %(now)s, not_before = NULL
+    WHERE id = (
+        SELECT id FROM batches_item
+        WHERE batch_id = (SELECT id FROM pick)
+          AND idx >= (SELECT CASE WHEN id = %(floor_batch)s THEN %(floor)s ELSE 0 END FROM pick)
+          AND state = 'available' AND (not_before IS NULL OR not_before <= %(now)s)
+        ORDER BY idx LIMIT 1 FOR UPDATE SKIP LOCKED)
+    RETURNING *
+),
+started AS (
+    UPDATE batches_batch SET status = 'running'
+    WHERE id = (SELECT batch_id FROM claimed) AND surface = 'native' AND status = 'queued'
+)
+SELECT * FROM claimed
 """
+# One statement in the usual case: the fairest batch and its next item.
+_CLAIM_FAIREST_SQL = _CLAIM_TEMPLATE.format(pick=_FAIR_ORDER + " LIMIT 1")
+# When the fairest batch had nothing to run now (its items all running or waiting): the next ones.
+_CLAIMABLE_BATCHES_SQL = _FAIR_ORDER + " LIMIT 20"
+_CLAIM_IN_BATCH_SQL = _CLAIM_TEMPLATE.format(pick="SELECT %(batch)s::uuid AS id")
 
 
 def due(now) -> Q:
@@ -225,33 +260,78 @@ def due(now) -> Q:
     return Q(not_before__isnull=True) | Q(not_before__lte=now)
 
 
-def claim_in_batch(batch_id, owner: str) -> Item | None:
-    """available → running for the batch's next item, as one statement; None if there is none free.
+def claim(owner: str, floor: tuple | None = None) -> Item | None:
+    """available → running for the next item, fairly: of the batches that may run now, the one with the
+    fewest running items first (then the oldest), so a small batch submitted after a huge one is not
+    starved. None if nothing is claimable. `floor`: (batch id, idx) of the caller's last claim.
 
-    PostgreSQL: one autocommitted UPDATE; SKIP LOCKED makes concurrent claimers
-    pass over each other's row instead of queueing on it. SQLite (embedded mode)
-    serialises writers, so the conditional UPDATE alone is the claim.
+    PostgreSQL: one statement in the usual case (pick the batch, take its next item with SKIP LOCKED, and
+    start a queued native batch); when that finds nothing, one more to list the batches in the same
+    order and one claim (without floor) per batch tried. Its cost does not grow with the table.
     """
     now = timezone.now()
+    if connection.vendor != "postgresql":
+        return _claim_embedded(owner, now)
     lease = now + timezone.timedelta(seconds=settings.RELAY_BATCH_LEASE_SECONDS)
-    if connection.vendor == "postgresql":
-        return next(iter(Item.objects.raw(_CLAIM_SQL, [owner, lease, now, batch_id, now])), None)
-    item = Item.objects.filter(due(now), batch_id=batch_id, state=St.AVAILABLE).order_by("idx").first()
-    if item is None:
-        return None
-    updated = Item.objects.filter(pk=item.pk, state=St.AVAILABLE).update(
-        state=St.RUNNING,
-        attempt=item.attempt + 1,
-        lease_owner=owner,
-        lease_expires_at=lease,
-        started_at=now,
-        not_before=None,
-    )
-    if not updated:
-        return None
-    item.state, item.lease_owner, item.lease_expires_at, item.started_at = St.RUNNING, owner, lease, now
-    item.attempt += 1
-    return item
+    params = {"owner": owner, "now": now, "lease": lease, "floor_batch": None, "floor": 0}
+    if floor is not None:
+        params["floor_batch"], params["floor"] = floor
+    item = _claim_one(_CLAIM_FAIREST_SQL, params)
+    if item is not None:
+        return item
+    params["floor_batch"], params["floor"] = None, 0
+    with connection.cursor() as cursor:
+        cursor.execute(_CLAIMABLE_BATCHES_SQL, params)
+        batches = [row[0] for row in cursor.fetchall()]
+    for batch_id in batches:
+        item = _claim_one(_CLAIM_IN_BATCH_SQL, {**params, "batch": batch_id})
+        if item is not None:
+            return item
+    return None
+
+
+def _claim_one(sql: str, params: dict) -> Item | None:
+    return next(iter(Item.objects.raw(sql, params)), None)
+
+
+def claim_in_batch(batch_id, owner: str) -> Item | None:
+    """available → running for this batch's next item (idx order); None if none is free now."""
+    now = timezone.now()
+    if connection.vendor != "postgresql":
+        return _claim_embedded(owner, now, [batch_id])
+    lease = now + timezone.timedelta(seconds=settings.RELAY_BATCH_LEASE_SECONDS)
+    params = {"owner": owner, "now": now, "lease": lease, "batch": batch_id, "floor_batch": None, "floor": 0}
+    return _claim_one(_CLAIM_IN_BATCH_SQL, params)
+
+
+def _claim_embedded(owner: str, now, batch_ids=None) -> Item | None:
+    """SQLite (embedded mode) serialises writers, so a conditional UPDATE alone is the claim."""
+    if batch_ids is None:
+        running = dict(Item.objects.filter(state=St.RUNNING).values_list("batch_id").annotate(n=Count("id")).order_by())
+        active = list(Batch.objects.filter(due(now), status__in=CLAIMABLE).values_list("id", "created_at"))
+        active.sort(key=lambda b: (running.get(b[0], 0), b[1]))
+        batch_ids = [b[0] for b in active[:20]]
+    lease = now + timezone.timedelta(seconds=settings.RELAY_BATCH_LEASE_SECONDS)
+    for batch_id in batch_ids:
+        item = Item.objects.filter(due(now), batch_id=batch_id, state=St.AVAILABLE).order_by("idx").first()
+        if item is None:
+            continue
+        updated = Item.objects.filter(pk=item.pk, state=St.AVAILABLE).update(
+            state=St.RUNNING,
+            attempt=item.attempt + 1,
+            lease_owner=owner,
+            lease_expires_at=lease,
+            started_at=now,
+            not_before=None,
+        )
+        if not updated:
+            continue
+        item.state, item.lease_owner, item.lease_expires_at, item.started_at = St.RUNNING, owner, lease, now
+        item.attempt += 1
+        item.not_before = None
+        batch_started(batch_id)
+        return item
+    return None
 
 
 def batch_started(batch_id) -> None:
@@ -285,6 +365,70 @@ def finish_item(item: Item, state: str, record: Callable[[], None], **fields) ->
         return True
 
     return durably(write)
+
+
+def model_row(obj) -> tuple[str, list[str], list]:
+    """A model instance as (table, columns, values) for `finish_item_at_once` (its id left to the database)."""
+    fields = [f for f in obj._meta.concrete_fields if not f.primary_key]
+    values = [f.get_db_prep_save(getattr(obj, f.attname), connection) for f in fields]
+    return obj._meta.db_table, [f.column for f in fields], values
+
+
+def finish_item_at_once(item: Item, state: str, rows: list[tuple[str, list[str], list]], **fields) -> bool:
+    """`finish_item` as one statement on PostgreSQL: the fenced running → `state` and the rows that go with
+    it (the attempt, the usage events: (table, columns, values)) written by the same statement, only
+    when the fenced update matched, and committed together, with no BEGIN/COMMIT round trips. Usage
+    events keep their ON CONFLICT DO NOTHING (written once per request_id); other rows are plain
+    INSERTs. Other databases: `finish_item` with the same rows.
+    """
+    if state not in ITEM_TRANSITIONS[St.RUNNING] or state == St.AVAILABLE:
+        raise IllegalTransition(f"item: running → {state!r} is not a finish")
+    if connection.vendor != "postgresql":
+
+        def record() -> None:
+            with connection.cursor() as cursor:
+                for sql, params in _row_inserts(rows, ""):
+                    cursor.execute(sql, params)
+
+        return finish_item(item, state, record, **fields)
+    qn = connection.ops.quote_name
+    now = timezone.now()
+    sets = {"state": state, "finished_at": now, "lease_expires_at": None, **fields}
+    opts = Item._meta
+    assign = ", ".join(f"{qn(opts.get_field(k).column)} = %s" for k in sets)
+    params = [opts.get_field(k).get_db_prep_save(v, connection) for k, v in sets.items()]
+    params += [item.pk, St.RUNNING, item.lease_owner, item.attempt]
+    parts = [
+        f"fin AS (UPDATE {qn(opts.db_table)} SET {assign} "
+        "WHERE id = %s AND state = %s AND lease_owner = %s AND attempt = %s RETURNING 1)"
+    ]
+    for i, (sql, values) in enumerate(_row_inserts(rows, " FROM fin")):
+        parts.append(f"w{i} AS ({sql})")
+        params += values
+    sql = "WITH " + ",\n".join(parts) + "\nSELECT count(*) FROM fin"
+
+    def write() -> bool:
+        with connection.cursor() as cursor:
+            cursor.execute(sql, params)
+            won = cursor.fetchone()[0] > 0
+        if won:
+            batch_id = item.batch_id
+            transaction.on_commit(lambda: complete_if_done(batch_id))
+        return won
+
+    return durably(write)
+
+
+def _row_inserts(rows, source: str):
+    """INSERT … SELECT <values>[ FROM fin] per row; usage events ON CONFLICT DO NOTHING."""
+    from usage.models import UsageEvent
+
+    qn = connection.ops.quote_name
+    for table, columns, values in rows:
+        cols = ", ".join(qn(c) for c in columns)
+        marks = ", ".join(["%s"] * len(values))
+        conflict = " ON CONFLICT DO NOTHING" if table == UsageEvent._meta.db_table else ""
+        yield f"INSERT INTO {qn(table)} ({cols}) SELECT {marks}{source}{conflict}", list(values)
 
 
 def release_item(item: Item, not_before, record: Callable[[], None], *, counts: bool, pause_batch: bool) -> bool:
@@ -421,6 +565,25 @@ def durably(write: Callable[[], bool], seconds: float = DURABLE_SECONDS) -> bool
 # --- batch completion ---------------------------------------------------------------------------
 
 
+# Index-backed whatever the table's statistics say (autovacuum may be off, as in CI): a running item
+# through item_running, else the first available one through item_available in idx order. (An EXISTS
+# over `state IN (...)` lets the planner pick a sequential scan that walks every finished row first.)
+_PENDING_SQL = """
+SELECT EXISTS (SELECT 1 FROM batches_item WHERE batch_id = %(batch)s AND state = 'running')
+    OR (SELECT idx FROM batches_item WHERE batch_id = %(batch)s AND state = 'available' ORDER BY idx LIMIT 1)
+       IS NOT NULL
+"""
+
+
+def has_pending_items(batch_id) -> bool:
+    """Does the batch still have an item available or running? One indexed probe, whatever its size."""
+    if connection.vendor != "postgresql":
+        return Item.objects.filter(batch_id=batch_id, state__in=PENDING_STATES).exists()
+    with connection.cursor() as cursor:
+        cursor.execute(_PENDING_SQL, {"batch": batch_id})
+        return cursor.fetchone()[0]
+
+
 def complete_if_done(batch_id) -> bool:
     """Once every item is final: a native batch completes (or, cancelled, is stamped completed_at);
     an OpenAI batch moves to finalizing and its finalization is handed off; an Anthropic batch ends
@@ -428,7 +591,7 @@ def complete_if_done(batch_id) -> bool:
 
     Idempotent and safe to call from anywhere, any number of times.
     """
-    if Item.objects.filter(batch_id=batch_id, state__in=PENDING_STATES).exists():
+    if has_pending_items(batch_id):
         return False
     row = Batch.objects.filter(pk=batch_id).values_list("surface", "status").first()
     if row is None:
@@ -637,15 +800,40 @@ def queue_length(queue: str) -> int | None:
         return None
 
 
-def wake_workers() -> int:
-    """Keep at most RELAY_BATCH_WAKEUP_WINDOW wake-ups queued while work is available.
+# A batch that may run now with an item that may run now (indexed, as _PENDING_SQL).
+_CLAIMABLE_WORK_SQL = f"""
+SELECT EXISTS (
+    SELECT 1 FROM batches_batch b
+    WHERE b.status IN ({_CLAIMABLE_SQL}) AND (b.not_before IS NULL OR b.not_before <= %(now)s)
+      AND (SELECT idx FROM batches_item i WHERE i.batch_id = b.id AND i.state = 'available'
+           AND (i.not_before IS NULL OR i.not_before <= %(now)s) ORDER BY idx LIMIT 1) IS NOT NULL
+)
+"""
+
+
+def has_claimable_work() -> bool:
+    """Is any item claimable now (its batch may run, it is available and due)?"""
+    now = timezone.now()
+    if connection.vendor != "postgresql":
+        return Item.objects.filter(due(now), state=St.AVAILABLE).exists()
+    with connection.cursor() as cursor:
+        cursor.execute(_CLAIMABLE_WORK_SQL, {"now": now})
+        return cursor.fetchone()[0]
+
+
+def wake_workers(known_work: bool = False) -> int:
+    """Keep at most RELAY_BATCH_WAKEUP_WINDOW wake-ups queued while work is available (`known_work`: the
+    caller just saw some, skip the check).
 
     Redis never holds one message per item: which item runs is decided at
-    claim time. A lost wake-up only costs latency until the next sweep.
+    claim time. A lost wake-up only costs latency until the next sweep. The
+    window bounds what one top-up queues, not the work in flight: every drain
+    that finds work passes a wake-up on (`pass_on`), so in-flight work grows to
+    every slot that consumes the queue, however many workers there are.
     """
     from relay.celery import app
 
-    if not Item.objects.filter(due(timezone.now()), state=St.AVAILABLE).exists():
+    if not known_work and not has_claimable_work():
         return 0
     queued = queue_length(ITEM_QUEUE)
     if queued is None:
@@ -654,6 +842,22 @@ def wake_workers() -> int:
     for _ in range(missing):
         app.send_task("batches.tasks.run_items", queue=ITEM_QUEUE)
     return missing
+
+
+def pass_on() -> bool:
+    """A drain found work: queue one more wake-up unless one is already waiting, so an idle slot of any
+    worker joins in. Slots fill one by one until a wake-up stays queued (every consuming slot is busy);
+    when the work runs out, the few surplus wake-ups find nothing and end. True if one was sent."""
+    from relay.celery import app
+
+    if queue_length(ITEM_QUEUE) != 0:  # one is waiting (or the broker is down: the sweeper wakes them)
+        return False
+    try:
+        app.send_task("batches.tasks.run_items", queue=ITEM_QUEUE)
+    except Exception:
+        log.warning("could not pass a wake-up on", exc_info=True)
+        return False
+    return True
 
 
 def wake_at(when) -> None:

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import uuid6
 from django.conf import settings
 from django.db import InterfaceError, OperationalError, connection, transaction
-from django.db.models import Count
 from django.utils import timezone
 
 from batches import anthropic_batches, bulk, ingest, lifecycle, openai_batches, outcomes, retrying, storage
@@ -29,7 +28,7 @@ from batches.tools.loop import run_tool_loop
 from relay import auth, catalog, jsonguard, pipeline
 from relay.errors import RelayError
 from usage.pricing import with_batch_price
-from usage.services import record_event
+from usage.services import event_row, record_event
 
 log = logging.getLogger(__name__)
 
@@ -151,25 +150,9 @@ def worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{threading.get_ident()}"
 
 
-def claim(owner: str) -> Item | None:
-    """Claim the next item, fairly: the active batch with the fewest running items first."""
-    running = dict(
-        Item.objects.filter(state=ItemState.RUNNING).values_list("batch_id").annotate(n=Count("id")).order_by()
-    )
-    now = timezone.now()
-    active = list(
-        Batch.objects.filter(lifecycle.due(now), status__in=lifecycle.CLAIMABLE).values_list(
-            "id", "created_at", "status"
-        )
-    )
-    active.sort(key=lambda b: (running.get(b[0], 0), b[1]))
-    for batch_id, _, status in active[:20]:
-        item = lifecycle.claim_in_batch(batch_id, owner)
-        if item is not None:
-            if status == BatchStatus.QUEUED:
-                lifecycle.batch_started(batch_id)
-            return item
-    return None
+def claim(owner: str, floor: tuple | None = None) -> Item | None:
+    """Claim the next item, fairly: the active batch with the fewest running items first (lifecycle.claim)."""
+    return lifecycle.claim(owner, floor)
 
 
 # --- run ----------------------------------------------------------------------------
@@ -427,23 +410,22 @@ def _finish(item: Item, state: str, *, run: _Run, code: str = "", error: str = "
         item, run, "finish", code=code, error=error, error_body=fields.get("error_body", ""), always=True
     )
 
-    def record() -> None:
-        attempt.save()
-        events = run.events if run.events is not None else ([outcome.event] if outcome is not None else [])
-        if not events:
-            record_event(**_event_without_dispatch(batch, item.pk, code, error), fetch=False)
-        for i, event in enumerate(events):
-            event = dict(event)
-            if i == len(events) - 1 and code and not event.get("error_kind"):
-                # The item failed after its last invocation answered (a tool failure, say).
-                event["error_kind"] = code
-                event["error_message"] = error[:500]
-            record_event(**with_batch_price(event, batch.discount_percent), fetch=False)
-
-    return lifecycle.finish_item(
+    events = run.events if run.events is not None else ([outcome.event] if outcome is not None else [])
+    if not events:
+        events = [_event_without_dispatch(batch, item.pk, code, error)]
+    else:
+        events = [with_batch_price(dict(event), batch.discount_percent) for event in events]
+        last = events[-1]
+        if code and not last.get("error_kind"):
+            # The item failed after its last invocation answered (a tool failure, say).
+            last["error_kind"] = code
+            last["error_message"] = error[:500]
+    # One statement: the fenced finish, the attempt row and the usage event(s), committed together.
+    rows = [lifecycle.model_row(attempt), *(event_row(connection, **event) for event in events)]
+    return lifecycle.finish_item_at_once(
         item,
         state,
-        record,
+        rows,
         status_code=outcome.status if outcome is not None and outcome.origin == "upstream" else None,
         error=error[:1000],
         error_code=code,
@@ -598,10 +580,10 @@ def drain(max_items: int = 50, max_seconds: float = 120.0) -> int:
     without waiting for the sweeper.
     """
     owner = f"{worker_id()}:{uuid.uuid4().hex[:8]}"
-    started, done = time.monotonic(), 0
+    started, done, floor = time.monotonic(), 0, None
     while done < max_items and time.monotonic() - started < max_seconds:
         try:
-            item = claim(owner)
+            item = claim(owner, floor)
         except DATABASE_ERRORS:
             # The database went away (a restart): give the slot back; the next sweep or wake-up resumes.
             log.warning("claim failed: the database is unavailable", exc_info=True)
@@ -609,6 +591,9 @@ def drain(max_items: int = 50, max_seconds: float = 120.0) -> int:
             return done
         if item is None:
             return done
+        if done == 0:
+            lifecycle.pass_on()  # there is work: wake one more slot, on whichever worker is idle
+        floor = (item.batch_id, item.idx)
         try:
             run_item(item)
         except DATABASE_ERRORS:
@@ -618,5 +603,5 @@ def drain(max_items: int = 50, max_seconds: float = 120.0) -> int:
             connection.close()
             lifecycle.release_item(item, timezone.now(), _nothing, counts=False, pause_batch=False)
         done += 1
-    lifecycle.wake_workers()
+    lifecycle.wake_workers(known_work=True)  # the budget ended with work left: hand the slot over
     return done

@@ -11,7 +11,6 @@ from datetime import UTC, datetime
 
 import jwt
 from django.db import connection
-from django.db.models import F
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
@@ -304,16 +303,44 @@ def revoke_token(bearer: str) -> str:
 # --- re-check at item run time ----------------------------------------------
 
 
+_KEY_STATE_FIELDS = ("key_hash", "previous_key_hash", "grace_until", "enabled", "revoked_at", "expires_at", "user_id")
+_KEY_STATE_SQL: list[str] = []
+
+
+def _key_state(key_id: int) -> dict | None:
+    """The fields `recheck` needs of one relay key (and its user's is_active), by primary key.
+
+    Runs once per batch item, so the SQL is written once, not compiled by the ORM each time (that
+    compilation was ~15% of a batch worker's CPU per item)."""
+    if not _KEY_STATE_SQL:
+        qn = connection.ops.quote_name
+        key_t, user_t = RelayKey._meta.db_table, User._meta.db_table
+        cols = ", ".join(f"k.{qn(RelayKey._meta.get_field(f).column)}" for f in _KEY_STATE_FIELDS)
+        _KEY_STATE_SQL.append(
+            f"SELECT {cols}, u.{qn('is_active')} FROM {qn(key_t)} k "
+            f"LEFT JOIN {qn(user_t)} u ON u.{qn('id')} = k.{qn(RelayKey._meta.get_field('user').column)} "
+            f"WHERE k.{qn('id')} = %s"
+        )
+    with connection.cursor() as cursor:
+        cursor.execute(_KEY_STATE_SQL[0], [key_id])
+        row = cursor.fetchone()
+    if row is None:
+        return None
+    key = dict(zip(_KEY_STATE_FIELDS, row[:-1], strict=True))
+    key["user_active"] = row[-1]
+    if connection.vendor != "postgresql":  # SQLite: booleans and datetimes come back as stored
+        for name in ("grace_until", "revoked_at", "expires_at"):
+            key[name] = RelayKey._meta.get_field(name).to_python(key[name]) if key[name] is not None else None
+            if key[name] is not None and timezone.is_naive(key[name]):
+                key[name] = timezone.make_aware(key[name], UTC)
+        key["enabled"], key["user_active"] = bool(key["enabled"]), bool(key["user_active"])
+    return key
+
+
 def recheck(principal: Principal) -> None:
     """Raise AuthError if the credential stopped working since the principal was made."""
     if principal.credential_kind == "key":
-        # Runs once per batch item: read only the fields the checks need.
-        key = (
-            RelayKey.objects.filter(pk=int(principal.credential_id))
-            .values("key_hash", "previous_key_hash", "grace_until", "enabled", "revoked_at", "expires_at", "user_id")
-            .annotate(user_active=F("user__is_active"))
-            .first()
-        )
+        key = _key_state(int(principal.credential_id))
         if key is None:
             raise AuthError("api key revoked")
         if key["key_hash"] != principal.key_hash:

@@ -233,7 +233,9 @@ RELAY_BATCH_LEASE_SECONDS = env.int("RELAY_BATCH_LEASE_SECONDS", default=60)
 RELAY_BATCH_HEARTBEAT_SECONDS = env.float("RELAY_BATCH_HEARTBEAT_SECONDS", default=2.0)
 # How often the sweeper re-dispatches lost wake-ups and rescues expired leases.
 RELAY_BATCH_SWEEP_SECONDS = env.float("RELAY_BATCH_SWEEP_SECONDS", default=5.0)
-# Wake-up messages kept queued in Redis at most (a bounded window, not one per item).
+# Wake-up messages one top-up queues in Redis at most (a bounded window, not one per item). It does not
+# cap the work in flight: every drain that finds work passes one wake-up on while none is waiting, so
+# the slots of every worker consuming the queue fill within a few claims (batches.lifecycle.pass_on).
 RELAY_BATCH_WAKEUP_WINDOW = env.int("RELAY_BATCH_WAKEUP_WINDOW", default=16)
 
 # --- Retention (batches/retention.py; the `retention` beat job) ------------------------

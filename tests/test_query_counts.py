@@ -25,7 +25,9 @@ CHAT = "/v1/chat/completions"
 
 # Pinned statement counts (see the module docstring).
 LIVE_REQUEST = 2  # 5 before the catalog cache (issue 11): key lookup + usage insert
-BATCH_ITEM_RUN = 12  # 14 before the catalog cache; +1 for the attempt history row
+# 14 before the catalog cache; 12 with the attempt row; issue 11: the claim in one statement (-2),
+# the finish with its attempt row and usage event in one statement (-4: no BEGIN/COMMIT round trips)
+BATCH_ITEM_RUN = 6
 OPENAI_LIST_PAGE = 3
 OPENAI_RETRIEVE = 3
 NATIVE_STATUS = 4

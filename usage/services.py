@@ -32,14 +32,9 @@ def _insert_sql(connection) -> str:
     return sql
 
 
-def record_event(*, tokens: Tokens | None = None, fetch: bool = True, **fields) -> UsageEvent | None:
-    """Record the event for `fields["request_id"]`, or return the one already recorded.
-
-    `fields` are UsageEvent fields; `tokens`, when given, fills the four token
-    columns. A long upstream error body is cut to fit rather than refused.
-    The request paths pass `fetch=False`: they never look at the row again, so
-    they skip reading it back (one query less per request and per item).
-    """
+def event_row(connection, *, tokens: Tokens | None = None, **fields) -> tuple[str, list[str], list]:
+    """The event as (table, columns, values) ready for an INSERT, checked as `record_event` checks it: for a
+    caller that writes it inside a statement of its own (a batch item's one-statement finish)."""
     if not fields.get("request_id"):
         # "" would be a real key under the unique constraint and swallow every later event.
         raise ValueError("record_event needs a request_id")
@@ -55,10 +50,22 @@ def record_event(*, tokens: Tokens | None = None, fetch: bool = True, **fields) 
     unknown = set(fields) - _NAMES
     if unknown:
         raise TypeError(f"UsageEvent has no field(s) {sorted(unknown)}")
-    connection = connections[router.db_for_write(UsageEvent)]
     values = [
         f.get_db_prep_save(fields[f.attname] if f.attname in fields else f.get_default(), connection) for f in _FIELDS
     ]
+    return UsageEvent._meta.db_table, [f.column for f in _FIELDS], values
+
+
+def record_event(*, tokens: Tokens | None = None, fetch: bool = True, **fields) -> UsageEvent | None:
+    """Record the event for `fields["request_id"]`, or return the one already recorded.
+
+    `fields` are UsageEvent fields; `tokens`, when given, fills the four token
+    columns. A long upstream error body is cut to fit rather than refused.
+    The request paths pass `fetch=False`: they never look at the row again, so
+    they skip reading it back (one query less per request and per item).
+    """
+    connection = connections[router.db_for_write(UsageEvent)]
+    _, _, values = event_row(connection, tokens=tokens, **fields)
     with connection.cursor() as cursor:
         cursor.execute(_insert_sql(connection), values)
     if not fetch:

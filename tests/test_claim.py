@@ -1,0 +1,110 @@
+"""The claim (batches.lifecycle.claim) step by step: fairness, the drain's floor, the batch's first claim,
+the pending probe and the wake-up that a drain passes on. No worker process; nothing is timed."""
+
+import io
+import json
+
+import pytest
+from django.utils import timezone
+
+from batches import lifecycle, services
+from batches.models import Batch, Item
+from relay import auth
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def native_batch(catalog, n):
+    principal = auth.principal_for_key(catalog.key)
+    body = {"shape": "openai", "requests": [{"model": "gpt-4o", "messages": []}] * n}
+    return services.submit_native(principal, io.BytesIO(json.dumps(body).encode()))
+
+
+def _nothing():
+    pass
+
+
+def test_the_first_claim_starts_a_native_batch_and_takes_items_in_order(catalog):
+    batch = native_batch(catalog, 3)
+    assert Batch.objects.get(pk=batch.pk).status == "queued"
+    first = lifecycle.claim("a")
+    assert (first.batch_id, first.idx, first.state, first.attempt) == (batch.pk, 0, "running", 1)
+    assert Batch.objects.get(pk=batch.pk).status == "running"
+    assert lifecycle.claim("b").idx == 1
+
+
+def test_the_batch_with_fewest_running_items_goes_first(catalog):
+    large = native_batch(catalog, 10)
+    held = [lifecycle.claim("large") for _ in range(3)]
+    assert {i.batch_id for i in held} == {large.pk}
+    small = native_batch(catalog, 2)
+    assert lifecycle.claim("x").batch_id == small.pk  # 0 running against 3
+    assert lifecycle.claim("y").batch_id == small.pk  # 1 against 3
+    assert lifecycle.claim("z").batch_id == large.pk  # 2 against 3, but the small one has none left
+
+
+def test_a_paused_batch_is_skipped(catalog):
+    paused = native_batch(catalog, 2)
+    Batch.objects.filter(pk=paused.pk).update(not_before=timezone.now() + timezone.timedelta(hours=1))
+    other = native_batch(catalog, 1)
+    assert lifecycle.claim("a").batch_id == other.pk
+    assert lifecycle.claim("b") is None
+
+
+def test_an_item_released_behind_the_drains_floor_is_still_claimed(catalog):
+    batch = native_batch(catalog, 3)
+    first = lifecycle.claim("a")
+    second = lifecycle.claim("a", (first.batch_id, first.idx))
+    assert second.idx == 1
+    # The first item goes back to available (a retry due now), below the floor of the next claim.
+    assert lifecycle.release_item(first, timezone.now(), _nothing, counts=True, pause_batch=False)
+    third = lifecycle.claim("a", (second.batch_id, second.idx))
+    assert third.idx == 2
+    again = lifecycle.claim("a", (third.batch_id, third.idx))  # nothing at or past idx 2: the floorless pass
+    assert (again.pk, again.attempt) == (first.pk, 2)
+    assert lifecycle.claim("a", (batch.pk, 2)) is None
+
+
+def test_an_item_waiting_out_its_backoff_is_not_claimed(catalog):
+    native_batch(catalog, 1)
+    item = lifecycle.claim("a")
+    later = timezone.now() + timezone.timedelta(hours=1)
+    assert lifecycle.release_item(item, later, _nothing, counts=True, pause_batch=False)
+    assert lifecycle.claim("b") is None
+    Item.objects.filter(pk=item.pk).update(not_before=timezone.now())
+    assert lifecycle.claim("b").pk == item.pk
+
+
+def test_pending_items_are_seen_running_or_available(catalog):
+    batch = native_batch(catalog, 2)
+    assert lifecycle.has_pending_items(batch.pk)
+    a, b = lifecycle.claim("a"), lifecycle.claim("b")
+    assert lifecycle.has_pending_items(batch.pk)  # running only
+    lifecycle.finish_item(a, "completed", _nothing)
+    assert lifecycle.has_pending_items(batch.pk)
+    lifecycle.finish_item(b, "completed", _nothing)
+    assert not lifecycle.has_pending_items(batch.pk)
+    assert Batch.objects.get(pk=batch.pk).status == "completed"
+
+
+def test_claimable_work_follows_pauses_and_backoffs(catalog):
+    assert not lifecycle.has_claimable_work()
+    batch = native_batch(catalog, 1)
+    assert lifecycle.has_claimable_work()
+    Batch.objects.filter(pk=batch.pk).update(not_before=timezone.now() + timezone.timedelta(hours=1))
+    assert not lifecycle.has_claimable_work()
+
+
+def test_a_drain_that_finds_work_passes_one_wake_up_on(catalog):
+    from relay.celery import app
+
+    with app.connection_or_acquire() as conn:
+        conn.default_channel.queue_purge(lifecycle.ITEM_QUEUE)
+    try:
+        assert lifecycle.pass_on() is True
+        assert lifecycle.queue_length(lifecycle.ITEM_QUEUE) == 1
+        assert lifecycle.pass_on() is False  # one is waiting: no second
+        assert lifecycle.queue_length(lifecycle.ITEM_QUEUE) == 1
+    finally:
+        with app.connection_or_acquire() as conn:
+            conn.default_channel.queue_purge(lifecycle.ITEM_QUEUE)
