@@ -15,8 +15,9 @@ key's limit), so it needs one Redis server, as deployed here, not a Redis Cluste
 
 from __future__ import annotations
 
-from policies import breaker, lua, ratelimit
+from policies import breaker, lua, provider_limits, ratelimit
 from policies.models import KeySelection
+from relay import catalog
 from relay.redis import get_redis
 
 CURSOR_TTL_S = 30 * 24 * 3600
@@ -69,21 +70,31 @@ def mark_used(policy_id: int, key_hash: str) -> None:
 
 # --- one round trip per decision -----------------------------------------------------------------
 
-# The whole decision of `pick()` in one script: the inbound limit, the pool's order,
-# and for each candidate in that order its breaker (half-open probe included) and its
-# tier limit, until one is usable; that one is marked used (LRU).
+# The whole decision of `pick()` in one script: the catalog generation the caller routed
+# with, the inbound limit, the pool's order, and for each candidate in that order its breaker
+# (half-open probe included), its tier limit and the provider's learned quota
+# (policies.provider_limits), until one is usable; that one is marked used (LRU).
 #
 # ARGV: n_in, selection, probe TTL ms, cursor TTL s, m (candidates), then 4 values per
-#   inbound rule, then per candidate: n_tier and 4 values per tier rule.
+#   inbound rule, then per candidate: n_tier and 4 values per tier rule; then the quota's
+#   provisional window ms and the catalog generation the caller holds ('' = don't check).
 # KEYS: n_in inbound keys, the round-robin cursor, then per candidate: breaker state,
-#   breaker probe, LRU mark, n_tier tier keys.
-# Returns {0, rule, wait ms} when the inbound limit is spent (nothing consumed);
-#   {1, candidate, position, order...} when a candidate was taken;
+#   breaker probe, LRU mark, quota, quota limit, n_tier tier keys; last the catalog generation.
+# Returns {3, generation in Redis} when the caller's catalog is stale (nothing consumed: it
+#   reloads and decides again); {0, rule, wait ms} when the inbound limit is spent (nothing
+#   consumed); {1, candidate, position, order...} when a candidate was taken;
 #   {2, soonest wait ms or -1, 0, order...} when none was usable.
 _PICK_LUA = (
     ratelimit._LUA_COMMON
     + breaker.ACQUIRE_FN_LUA
+    + provider_limits.TAKE_FN_LUA
     + """
+local held_gen = ARGV[#ARGV]
+if held_gen ~= '' then
+  local gen = redis.call('GET', KEYS[#KEYS])
+  if gen ~= held_gen then return {3, gen or ''} end
+end
+local quota_window = ARGV[#ARGV - 1]
 local now = now_ms()
 local n_in = tonumber(ARGV[1])
 local selection = ARGV[2]
@@ -102,8 +113,11 @@ local cands = {}
 local k = n_in + 1
 for c = 1, m do
   local nt = tonumber(ARGV[a + 1])
-  cands[c] = {state = KEYS[k + 1], probe = KEYS[k + 2], lru = KEYS[k + 3], k0 = k + 3, a0 = a + 1, nt = nt}
-  k = k + 3 + nt
+  cands[c] = {
+    state = KEYS[k + 1], probe = KEYS[k + 2], lru = KEYS[k + 3], quota = KEYS[k + 4], quota_limit = KEYS[k + 5],
+    k0 = k + 5, a0 = a + 1, nt = nt,
+  }
+  k = k + 5 + nt
   a = a + 1 + 4 * nt
 end
 
@@ -133,13 +147,18 @@ for pos, c in ipairs(order) do
   if ok > 0 then
     local worst, tier_wait, apply = check_rules(d.k0, d.a0, d.nt, now)
     if worst == 0 then
+      -- The provider said this key's window is spent: don't spend a request learning it again.
+      tier_wait = quota_take(d.quota, d.quota_limit, quota_window)
+      if tier_wait > 0 then worst = -1 end
+    end
+    if worst == 0 then
       for _, fn in ipairs(apply) do fn() end
       redis.call('SET', d.lru, now, 'EX', cursor_ttl)
       local res = {1, c, pos}
       for _, o in ipairs(order) do res[#res + 1] = o end
       return res
     end
-    -- The key's own tier is spent: hand back a probe this call took.
+    -- The key's own tier or quota is spent: hand back a probe this call took.
     if ok == 2 then redis.call('DEL', d.probe) end
     wait = tier_wait
   end
@@ -176,7 +195,7 @@ class Picks:
         key = cand.key
         return ratelimit.plan(f"hostkey:{key.id}", key.rate_limit, subject=f"host key {key.name}")
 
-    def _decide(self, cands: list, selection: str, inbound: ratelimit.Plan | None):
+    def _decide(self, cands: list, selection: str, inbound: ratelimit.Plan | None, held_gen: str = ""):
         """One round trip. Returns (candidate, tier reservation, remaining candidates in order)."""
         policy_id = self._policy.id
         n_in = len(inbound.rules) if inbound is not None else 0
@@ -187,10 +206,15 @@ class Picks:
         if n_in:
             args += inbound.args
         for cand, p in zip(cands, plans, strict=True):
-            keys += [*breaker._keys(cand.key_hash), _lru_key(policy_id, cand.key_hash), *p.keys]
+            keys += [*breaker._keys(cand.key_hash), _lru_key(policy_id, cand.key_hash)]
+            keys += [*provider_limits.keys(cand.key_hash), *p.keys]
             args += [len(p.rules), *p.args]
+        keys.append(catalog.GEN_KEY)
+        args += [provider_limits.PROVISIONAL_WINDOW_MS, held_gen]
         result = lua.run(_PICK_LUA, keys, args)
         status = int(result[0])
+        if status == 3:
+            raise catalog.Stale(_text(result[1]))
         if status == 0:
             raise inbound.denied(int(result[1]), int(result[2]))
         order = [cands[int(i) - 1] for i in result[3:]]
@@ -202,12 +226,9 @@ class Picks:
         position = int(result[2])
         return cands[chosen], plans[chosen].reservation(), order[position:]
 
-    def start(self, inbound: ratelimit.Plan) -> Picks:
-        if not self._candidates:
-            if inbound.rules:
-                self.inbound = ratelimit.reserve_plan(inbound)
-            return self
-        self._first = self._decide(self._candidates, self._policy.key_selection, inbound)
+    def start(self, inbound: ratelimit.Plan, held_gen: str = "") -> Picks:
+        # Even without candidates the script runs: it checks the inbound limit and the catalog generation.
+        self._first = self._decide(self._candidates, self._policy.key_selection, inbound, held_gen)
         self.inbound = inbound.reservation() if inbound.rules else ratelimit.Reservation([])
         return self
 
@@ -248,10 +269,16 @@ def settle_success(key_hash: str, reservations, *, input_tokens: int = 0, output
     lua.run(_SUCCESS_LUA, keys, args)
 
 
-def pick(policy, candidates: list, *, max_picks: int) -> Picks:
+def pick(policy, candidates: list, *, max_picks: int, catalog_gen: str = "") -> Picks:
     """The inbound limit of `policy` and its first usable key, in one Redis round trip.
 
-    Raises `ratelimit.RateLimited` when the inbound limit is spent (nothing consumed).
+    Raises `ratelimit.RateLimited` when the inbound limit is spent (nothing consumed), and
+    `catalog.Stale` when `catalog_gen` (the generation the caller routed with; "" skips the
+    check) is no longer the one in Redis (nothing consumed either: route again and re-pick).
     `candidates`: objects with `.key` (a HostKey) and `.key_hash`, in declared order."""
     inbound = ratelimit.plan(f"policy:{policy.id}", policy.rate_limit, subject=f"policy {policy.name}")
-    return Picks(policy, candidates, max_picks).start(inbound)
+    return Picks(policy, candidates, max_picks).start(inbound, catalog_gen)
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value or "")

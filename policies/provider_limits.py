@@ -34,25 +34,27 @@ from relay.redis import get_redis
 # The longest window we believe a provider reports (OpenAI's daily request limits reset within a day).
 MAX_RESET_S = 24 * 3600
 
-# KEYS: quota, limit. ARGV: provisional window ms. Returns 0 when a request may go, else the ms until the
-# window resets. A window we have no word on yet starts from the key's last known limit, so the first
-# burst of a new window never exceeds it.
-_TAKE_LUA = """
-local left = redis.call('GET', KEYS[1])
-if not left then
-  local limit = tonumber(redis.call('GET', KEYS[2]))
-  if limit and limit > 0 then redis.call('SET', KEYS[1], limit - 1, 'PX', ARGV[1]) end
-  return 0
+# Take one request of a key's learned quota: 0 when a request may go, else the ms until the window
+# resets. A window we have no word on yet starts from the key's last known limit, so the first burst
+# of a new window never exceeds it. A Lua function, so the key pool's pick script runs it for the key
+# it is about to choose, in the same round trip (policies.keypool).
+TAKE_FN_LUA = """
+local function quota_take(quota_key, limit_key, window_ms)
+  local left = redis.call('GET', quota_key)
+  if not left then
+    local limit = tonumber(redis.call('GET', limit_key))
+    if limit and limit > 0 then redis.call('SET', quota_key, limit - 1, 'PX', window_ms) end
+    return 0
+  end
+  if tonumber(left) > 0 then
+    redis.call('DECR', quota_key)
+    return 0
+  end
+  local ttl = redis.call('PTTL', quota_key)
+  if ttl < 1 then return 1 end
+  return ttl
 end
-if tonumber(left) > 0 then
-  redis.call('DECR', KEYS[1])
-  return 0
-end
-local ttl = redis.call('PTTL', KEYS[1])
-if ttl < 1 then return 1 end
-return ttl
 """
-
 # KEYS: quota, limit. ARGV: remaining, reset ms, limit ('' if not sent), limit TTL s.
 # Within a window keep the lower count (answers to requests in flight can be stale), and let the
 # window end when the provider says it resets.
@@ -80,7 +82,8 @@ def _script(client: redis.Redis, source: str) -> Script:
     return client.register_script(source)
 
 
-def _keys(key_hash: str) -> list[str]:
+def keys(key_hash: str) -> list[str]:
+    """The quota and the remembered limit of a key."""
     quota = f"relay:quota:{{{key_hash}}}"
     return [quota, f"{quota}:limit"]
 
@@ -132,13 +135,6 @@ def quota_from(headers: dict) -> tuple[int, float, int | None] | None:
     return None
 
 
-def take(key_hash: str) -> float:
-    """Take one request of the key's learned quota: 0 when it may go, else seconds until the window resets."""
-    client = get_redis()
-    wait_ms = int(_script(client, _TAKE_LUA)(keys=_keys(key_hash), args=[PROVISIONAL_WINDOW_MS], client=client))
-    return wait_ms / 1000
-
-
 def learn(key_hash: str, headers: dict) -> None:
     """Remember what the provider said about the key's quota (a no-op when it said nothing)."""
     quota = quota_from(headers)
@@ -147,8 +143,8 @@ def learn(key_hash: str, headers: dict) -> None:
     remaining, reset, limit = quota
     client = get_redis()
     args = [remaining, max(1, math.ceil(reset * 1000)), "" if limit is None else limit, LIMIT_TTL_S]
-    _script(client, _LEARN_LUA)(keys=_keys(key_hash), args=args, client=client)
+    _script(client, _LEARN_LUA)(keys=keys(key_hash), args=args, client=client)
 
 
 def forget(key_hash: str) -> None:
-    get_redis().delete(*_keys(key_hash))
+    get_redis().delete(*keys(key_hash))

@@ -7,9 +7,16 @@ process keeps what it has read under the generation it read it at
 
     relay:catalog:gen     an integer; every catalog write increments it
 
-and every request reads that one key (one round trip) before it uses the cache:
-a different number drops the whole cache. So a change is seen by the next
-request in every process, not after a TTL.
+and a change of that number drops the whole cache. So a change is seen by the
+next request in every process, not after a TTL. The pipeline does not read the
+number in a round trip of its own: it routes with the snapshot it holds
+(`held()`) and hands the snapshot's number to the key pool's pick script
+(policies.keypool), which compares it with the counter in the same round trip
+that takes the key. A different number there consumes nothing and raises
+`Stale`; the pipeline reloads and routes again. A routing error found with a
+held snapshot is confirmed against the counter (`current()`) before it is
+answered, so a model added a moment ago is never refused from a stale cache.
+Everything else (`policy()`, `route()` without a snapshot) reads the counter first.
 
 Every write bumps, whatever path it takes:
 - `save()` / `delete()` of a catalog model, the admin, `relay apply`, the CLI,
@@ -83,6 +90,14 @@ class _Snapshot:
     born: float = field(default_factory=time.monotonic)
 
 
+class Stale(Exception):
+    """The generation a caller routed with is no longer the one in Redis (raised by the key pick)."""
+
+    def __init__(self, gen: str):
+        super().__init__(gen)
+        self.gen = gen
+
+
 class _Cache:
     def __init__(self):
         self.snapshot = _Snapshot(gen=None)
@@ -112,8 +127,26 @@ class _Cache:
             self.snapshot = snap
         return snap
 
+    def held(self) -> _Snapshot | None:
+        """The snapshot this process holds, without a round trip, for a caller that checks its
+        generation itself (the key pick); `current()` when there is none worth holding."""
+        snap = self.snapshot
+        if snap.gen is None or self.bump_pending or time.monotonic() - snap.born > MAX_AGE_S:
+            return self.current()
+        return snap
+
 
 _local_cache = _Cache()
+
+
+def held() -> _Snapshot | None:
+    """See `_Cache.held`: route with it, then let the key pick confirm its generation."""
+    return _local_cache.held()
+
+
+def current() -> _Snapshot | None:
+    """The snapshot valid for the generation in Redis now (one round trip); None when Redis cannot tell."""
+    return _local_cache.current()
 
 
 def _load_policy(policy_id: int):
@@ -127,9 +160,10 @@ def _load_policy(policy_id: int):
     return policy
 
 
-def policy(policy_id: int):
-    """The policy with its rate limit, rules and host-key pool loaded; None if there is none."""
-    snap = _local_cache.current()
+def policy(policy_id: int, snap: _Snapshot | None = None):
+    """The policy with its rate limit, rules and host-key pool loaded; None if there is none.
+    From `snap` when given (a held snapshot), else from the snapshot current in Redis."""
+    snap = snap or _local_cache.current()
     if snap is None:
         return _load_policy(policy_id)
     try:
@@ -141,12 +175,12 @@ def policy(policy_id: int):
     return value
 
 
-def route(policy_obj, model_name: str, compute):
+def route(policy_obj, model_name: str, compute, snap: _Snapshot | None = None):
     """`compute(policy, model_name)` → Route, cached per (policy, model). A RelayError it
     raises is cached too (as status, code, message) and raised afresh each time."""
     from relay.errors import RelayError
 
-    snap = _local_cache.current()
+    snap = snap or _local_cache.current()
     if snap is None:
         return compute(policy_obj, model_name)
     cache_key = (policy_obj.id, model_name)

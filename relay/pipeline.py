@@ -18,7 +18,7 @@ from django.utils import timezone
 
 from policies import breaker, keypool, provider_limits, ratelimit
 from policies.breaker import Failure
-from relay import adapters, routing, scrub, upstream
+from relay import adapters, catalog, routing, scrub, upstream
 from relay.auth import Principal
 from relay.crypto import SecretUnavailable, sha256_hex
 from relay.errors import RelayError
@@ -99,22 +99,54 @@ def dispatch(call: Call) -> Outcome:
         )
 
 
+# Catalog writes racing one request: how many times it routes again before it stops checking.
+MAX_REROUTES = 3
+
+
+def _route(call: Call, snap) -> tuple:
+    policy_id = call.policy.id if call.policy is not None else call.principal.policy_id
+    policy = call.policy if call.policy is not None and snap is None else routing.load_policy(policy_id, snap)
+    route = routing.resolve(policy, call.body.get("model"), snap)
+    return policy, route, _check_shape(call, route)
+
+
+def _routed_and_picked(call: Call, ctx: dict):
+    """Route with the catalog snapshot this process holds and take a key, in one Redis round trip:
+    the pick confirms the snapshot's generation (relay.catalog). A stale snapshot is replaced and
+    the request routed again; a routing error is confirmed against the counter before it stands."""
+    snap = catalog.held()
+    for attempt in range(MAX_REROUTES + 1):
+        try:
+            policy, route, path = _route(call, snap)
+        except RelayError:
+            fresh = catalog.current()
+            if fresh is None or fresh is snap:
+                raise
+            snap = fresh
+            policy, route, path = _route(call, snap)
+        ctx["route"] = route
+        check = snap.gen if snap is not None and attempt < MAX_REROUTES else ""
+        try:
+            # Catalog generation, inbound limit, key order, breaker probe, tier limit, the provider's
+            # learned quota, LRU mark: one Redis round trip.
+            picks = keypool.pick(policy, _candidates(route.keys), max_picks=MAX_KEY_ATTEMPTS, catalog_gen=check)
+        except ratelimit.RateLimited as exc:
+            err = RelayError(429, "rate_limit_exceeded", exc.message, headers={"Retry-After": exc.retry_after})
+            err.retry_after = float(exc.retry_after)
+            raise err from exc
+        except catalog.Stale:
+            snap = catalog.current()
+            continue
+        return route, path, picks
+    raise AssertionError("unreachable: the last attempt does not check the generation")
+
+
 def _dispatch(call: Call, ctx: dict, started: float) -> Outcome:
-    policy = call.policy or routing.load_policy(call.principal.policy_id)
-    route = routing.resolve(policy, call.body.get("model"))
-    ctx["route"] = route
-    path = _check_shape(call, route)
+    route, path, picks = _routed_and_picked(call, ctx)
     body = dict(call.body, model=route.binding.upstream_name)
     body.pop("openrelay", None)  # relay-owned (tool config, …): never sent to a provider (issue 12)
     payload = json.dumps(body).encode()
 
-    try:
-        # Inbound limit, key order, breaker probe, tier limit, LRU mark: one Redis round trip.
-        picks = keypool.pick(policy, _candidates(route.keys), max_picks=MAX_KEY_ATTEMPTS)
-    except ratelimit.RateLimited as exc:
-        err = RelayError(429, "rate_limit_exceeded", exc.message, headers={"Retry-After": exc.retry_after})
-        err.retry_after = float(exc.retry_after)
-        raise err from exc
     inbound = picks.inbound
 
     last_response: upstream.UpstreamResponse | None = None
@@ -122,15 +154,9 @@ def _dispatch(call: Call, ctx: dict, started: float) -> Outcome:
     tried_any = False
     waits: list[float] = []  # for each key passed over: seconds until it has capacity again
     try:
-        for cand, tier in picks:  # keys whose breaker refuses or whose tier is spent are skipped
+        # Keys whose breaker refuses, whose tier is spent or whose provider quota is spent are skipped.
+        for cand, tier in picks:
             key, key_value = cand.key, cand.value
-            quota_wait = provider_limits.take(cand.key_hash)
-            if quota_wait:
-                # The provider said this key's window is spent: don't spend a request learning it again.
-                tier.release()
-                breaker.release_probe(cand.key_hash)
-                waits.append(quota_wait)
-                continue
             tried_any = True
             ctx["attempts"] += 1
             ctx["host_key"] = key

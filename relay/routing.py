@@ -34,22 +34,22 @@ class RoutingError(RelayError):
     pass
 
 
-def load_policy(policy_id: int | None) -> Policy:
+def load_policy(policy_id: int | None, snap=None) -> Policy:
     """The policy from the per-process catalog cache (relay.catalog): no query while the
-    catalog is unchanged."""
-    policy = catalog.policy(policy_id) if policy_id else None
+    catalog is unchanged. `snap`: a held snapshot (see catalog.held) instead of the current one."""
+    policy = catalog.policy(policy_id, snap) if policy_id else None
     if policy is None:
         raise RoutingError(403, "no_policy", "no policy is bound to this principal")
     return policy
 
 
-def resolve(policy: Policy, model_name) -> Route:
+def resolve(policy: Policy, model_name, snap=None) -> Route:
     if not policy.enabled:
         raise RoutingError(403, "policy_disabled", f"policy {policy.name} is disabled")
     if not isinstance(model_name, str) or not model_name:
         raise RelayError(400, "invalid_request", "the request body needs a 'model' string")
     # Cached per (policy, model) until the next catalog write, errors included.
-    return catalog.route(policy, model_name, _resolve)
+    return catalog.route(policy, model_name, _resolve, snap)
 
 
 def _resolve(policy: Policy, model_name: str) -> Route:

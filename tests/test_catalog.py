@@ -175,3 +175,60 @@ def test_without_redis_nothing_is_cached_and_a_lost_bump_is_retried(catalog, set
     cache._local_cache.current()  # … and is made by this process's next request
     assert get_redis().get(cache.GEN_KEY) != before
     assert not cache._local_cache.bump_pending
+
+
+# --- the pipeline: routed with the held snapshot, confirmed by the key pick ----------------------
+
+
+def _chat(client, catalog, model="gpt-4o"):
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}]}
+    return client.post(
+        "/v1/chat/completions", data=body, content_type="application/json", headers={"Authorization": f"Bearer {catalog.key}"}
+    )
+
+
+def _as_if_elsewhere(write):
+    """Run a catalog write as another process would: the counter in Redis moves on, but this
+    process keeps the snapshot it holds (its cache is not cleared by somebody else's write)."""
+    from relay import catalog as cache
+
+    held = cache._local_cache.snapshot
+    write()
+    cache._local_cache.snapshot = held
+    return held
+
+
+def test_the_pipeline_routes_again_when_the_pick_finds_its_snapshot_stale(client, catalog):
+    from relay import catalog as cache
+
+    assert _chat(client, catalog).json()["model"] == "gpt-4o-2024-08-06"
+    held = _as_if_elsewhere(
+        lambda: HostBinding.objects.filter(model__name="gpt-4o").update(upstream_name="changed-elsewhere")
+    )
+    resp = _chat(client, catalog)
+    assert resp.status_code == 200 and resp.json()["model"] == "changed-elsewhere"
+    assert cache._local_cache.snapshot is not held
+
+
+def test_a_refusal_found_with_a_held_snapshot_is_confirmed_before_it_is_answered(client, catalog):
+    assert _chat(client, catalog, "gpt-new").json()["error"]["code"] == "model_not_found"
+
+    def add_model():
+        model = LLMModel.objects.create(name="gpt-new", provider="openai")
+        HostBinding.objects.create(model=model, host=catalog.hosts["openai"], adapter="openai", upstream_name="gpt-new-1")
+
+    _as_if_elsewhere(add_model)
+    resp = _chat(client, catalog, "gpt-new")
+    assert resp.status_code == 200 and resp.json()["model"] == "gpt-new-1"
+
+
+def test_a_disabled_key_is_never_picked_from_a_held_snapshot(client, catalog):
+    _chat(client, catalog)
+    _as_if_elsewhere(lambda: HostKey.objects.filter(host__name="openai").exclude(name="openai-2").update(enabled=False))
+    for _ in range(4):
+        resp = _chat(client, catalog)
+        assert resp.status_code == 200
+    from usage.models import UsageEvent
+
+    last = UsageEvent.objects.order_by("-id")[:4]
+    assert {e.host_key_id for e in last} == {HostKey.objects.get(name="openai-2").id}

@@ -25,6 +25,10 @@ CHAT = "/v1/chat/completions"
 
 # Pinned statement counts (see the module docstring).
 LIVE_REQUEST = 2  # 5 before the catalog cache (issue 11): key lookup + usage insert
+# Redis round trips of one live request: the key pick (catalog generation, inbound limit, breaker,
+# tier limit, provider quota, LRU) and the success settle. 5 before the generation and the provider
+# quota moved into the pick (issue 11).
+LIVE_REQUEST_REDIS = 2
 # 14 before the catalog cache; 12 with the attempt row; issue 11: the claim in one statement (-2),
 # the finish with its attempt row and usage event in one statement (-4: no BEGIN/COMMIT round trips)
 BATCH_ITEM_RUN = 6
@@ -70,7 +74,24 @@ def native_batch(catalog, n=3):
     return services.submit_native(principal, io.BytesIO(json.dumps(body).encode()))
 
 
-def test_one_live_request(client, catalog):
+def redis_round_trips(fn, monkeypatch) -> int:
+    """Commands sent to Redis by `fn` (each is one round trip: the hot paths use no pipelines)."""
+    from redis.connection import AbstractConnection
+
+    sent = []
+    real = AbstractConnection.send_packed_command
+
+    def counting(self, command, check_health=True):
+        sent.append(command)
+        return real(self, command, check_health)
+
+    monkeypatch.setattr(AbstractConnection, "send_packed_command", counting)
+    fn()
+    monkeypatch.setattr(AbstractConnection, "send_packed_command", real)
+    return len(sent)
+
+
+def test_one_live_request(client, catalog, monkeypatch):
     body = {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}
 
     def call():
@@ -80,6 +101,7 @@ def test_one_live_request(client, catalog):
     call()  # warm: first-use caches are not what is pinned
     n = count(call)
     assert n == LIVE_REQUEST
+    assert redis_round_trips(call, monkeypatch) == LIVE_REQUEST_REDIS
 
 
 @runs_items
