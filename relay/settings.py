@@ -98,10 +98,13 @@ TEMPLATES = [
 DATABASES = {"default": env.db("DATABASE_URL", default=f"sqlite:///{BASE_DIR / '.relay-embedded' / 'relay.sqlite3'}")}
 DATABASES["default"].setdefault("CONN_MAX_AGE", env.int("DB_CONN_MAX_AGE", default=60))
 # A `SELECT 1` before the first query of each request and each batch item, so a connection broken
-# while idle (PostgreSQL restarted) is replaced instead of failing that request. It is one round trip
-# of the three a live request makes (bench/README.md); DB_CONN_HEALTH_CHECKS=0 trades it away.
+# while idle (PostgreSQL restarted) is replaced instead of failing that request. On PostgreSQL it is
+# skipped for a connection that answered a statement less than RELAY_DB_HEALTH_CHECK_IDLE_S ago
+# (relay/db/postgresql: a busy process pays no round trip for it); DB_CONN_HEALTH_CHECKS=0 turns it off.
 DATABASES["default"]["CONN_HEALTH_CHECKS"] = env.bool("DB_CONN_HEALTH_CHECKS", default=True)
+RELAY_DB_HEALTH_CHECK_IDLE_S = env.float("RELAY_DB_HEALTH_CHECK_IDLE_S", default=1.0)
 if DATABASES["default"]["ENGINE"].endswith("postgresql"):
+    DATABASES["default"]["ENGINE"] = "relay.db.postgresql"
     # One frozen process (a paused VM, a half-open connection) must not stall the others: no statement
     # runs, no lock is waited for and no transaction idles past these, and a dead peer is noticed by
     # TCP keepalives instead of hanging a worker for the kernel's default two hours.

@@ -183,7 +183,10 @@ def test_without_redis_nothing_is_cached_and_a_lost_bump_is_retried(catalog, set
 def _chat(client, catalog, model="gpt-4o"):
     body = {"model": model, "messages": [{"role": "user", "content": "hi"}]}
     return client.post(
-        "/v1/chat/completions", data=body, content_type="application/json", headers={"Authorization": f"Bearer {catalog.key}"}
+        "/v1/chat/completions",
+        data=body,
+        content_type="application/json",
+        headers={"Authorization": f"Bearer {catalog.key}"},
     )
 
 
@@ -215,7 +218,9 @@ def test_a_refusal_found_with_a_held_snapshot_is_confirmed_before_it_is_answered
 
     def add_model():
         model = LLMModel.objects.create(name="gpt-new", provider="openai")
-        HostBinding.objects.create(model=model, host=catalog.hosts["openai"], adapter="openai", upstream_name="gpt-new-1")
+        HostBinding.objects.create(
+            model=model, host=catalog.hosts["openai"], adapter="openai", upstream_name="gpt-new-1"
+        )
 
     _as_if_elsewhere(add_model)
     resp = _chat(client, catalog, "gpt-new")

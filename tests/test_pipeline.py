@@ -1,5 +1,7 @@
 """The dispatch pipeline over real HTTP: relay (live server) → fake upstream (loopback)."""
 
+import time
+
 import pytest
 import requests
 from django.test import override_settings
@@ -24,9 +26,22 @@ def relay(live_server, catalog):
         def post(self, path, body, headers=None, key=None):
             h = {"Authorization": f"Bearer {key or catalog.key}"}
             h.update(headers or {})
-            return requests.post(self.url + path, json=body, headers=h, timeout=30)
+            resp = requests.post(self.url + path, json=body, headers=h, timeout=30)
+            if resp.headers.get("X-WR-Origin") == "upstream":
+                wait_for_event(resp)
+            return resp
 
     return Client()
+
+
+def wait_for_event(resp) -> None:
+    """The usage event of a dispatched request is written just after its answer is sent
+    (relay/api/inference.py): wait for it before looking at usage."""
+    request_id = resp.headers["X-Relay-Request-ID"]
+    deadline = time.monotonic() + 10
+    while not UsageEvent.objects.filter(request_id=request_id).exists():
+        assert time.monotonic() < deadline, f"no usage event for {request_id}"
+        time.sleep(0.005)
 
 
 def error_of(resp):
@@ -115,6 +130,7 @@ def test_model_not_found(relay):
     resp = relay.post("/v1/chat/completions", dict(CHAT, model="nope"))
     assert resp.status_code == 404 and error_of(resp)["code"] == "model_not_found"
     assert resp.headers["X-WR-Origin"] == "relay"
+    wait_for_event(resp)
     event = UsageEvent.objects.get()
     assert event.status == 0 and event.error_kind == "model_not_found" and event.cost_nano_usd is None
 
@@ -186,6 +202,7 @@ def test_inbound_limit_spent_gives_429_with_integer_retry_after(relay, catalog):
     assert error_of(resp)["code"] == "rate_limit_exceeded" and error_of(resp)["type"] == "rate_limit_error"
     assert "budget exceeded: requests" in error_of(resp)["message"]
     assert int(resp.headers["Retry-After"]) >= 1 and resp.headers["X-WR-Origin"] == "relay"
+    wait_for_event(resp)
     assert UsageEvent.objects.filter(error_kind="rate_limit_exceeded").count() == 1
 
 
@@ -314,6 +331,7 @@ def test_deadline_is_enforced_against_a_dripping_upstream(relay, fake):
     with override_settings(RELAY_UPSTREAM_DEADLINE=1.5):
         resp = relay.post("/v1/chat/completions", CHAT)
     assert resp.status_code == 504 and error_of(resp)["code"] == "timeout"
+    wait_for_event(resp)
     assert UsageEvent.objects.get().error_kind == "timeout"
 
 

@@ -18,6 +18,15 @@ _ERROR_MESSAGE_MAX = UsageEvent._meta.get_field("error_message").max_length
 _FIELDS = [f for f in UsageEvent._meta.concrete_fields if not f.primary_key]
 _NAMES = frozenset(f.attname for f in _FIELDS) | frozenset(f.name for f in _FIELDS)
 _SQL: dict[str, str] = {}
+# Columns whose database value is the Python value itself when it is a str, an int or None: the
+# per-field `get_db_prep_save` (most of an event's preparation) is skipped for them.
+_PLAIN = {
+    f.attname
+    for f in _FIELDS
+    if f.get_internal_type()
+    in {"CharField", "TextField", "IntegerField", "BigIntegerField", "PositiveIntegerField", "SmallIntegerField"}
+    and not f.choices
+}
 
 
 def _insert_sql(connection) -> str:
@@ -50,9 +59,12 @@ def event_row(connection, *, tokens: Tokens | None = None, **fields) -> tuple[st
     unknown = set(fields) - _NAMES
     if unknown:
         raise TypeError(f"UsageEvent has no field(s) {sorted(unknown)}")
-    values = [
-        f.get_db_prep_save(fields[f.attname] if f.attname in fields else f.get_default(), connection) for f in _FIELDS
-    ]
+    values = []
+    for f in _FIELDS:
+        value = fields[f.attname] if f.attname in fields else f.get_default()
+        if not (f.attname in _PLAIN and (value is None or type(value) in (str, int))):
+            value = f.get_db_prep_save(value, connection)
+        values.append(value)
     return UsageEvent._meta.db_table, [f.column for f in _FIELDS], values
 
 

@@ -1,5 +1,6 @@
 """Live (non-streaming) inference endpoints. Thin: authenticate, read, dispatch, record, answer."""
 
+import logging
 import time
 
 import uuid6
@@ -13,6 +14,8 @@ from relay.errors import RelayError
 from relay.http import parse_json_object, read_body
 from usage.services import record_event
 
+logger = logging.getLogger(__name__)
+
 
 class InferenceView(APIView):
     authentication_classes = [RelayCredentialAuthentication]
@@ -25,7 +28,8 @@ class InferenceView(APIView):
             raise RelayError(
                 400, "streaming_unsupported", 'streaming is not supported yet: send the request without "stream": true'
             )
-        request_id = str(uuid6.uuid7())
+        # The edge's id for this request (relay.edge), so the log line, the answer and the usage event agree.
+        request_id = getattr(request._request, "relay_request_id", None) or str(uuid6.uuid7())
         outcome = pipeline.dispatch(
             pipeline.Call(
                 path=self.upstream_path,
@@ -37,13 +41,23 @@ class InferenceView(APIView):
                 inbound_headers=dict(request.headers),
             )
         )
-        record_event(**outcome.event, fetch=False)
         response = HttpResponse(outcome.body, status=outcome.status, content_type="application/json")
+        # The usage event is written once the answer has been sent (the WSGI server closes the
+        # response after its last byte), so the caller does not wait for the INSERT.
+        response._resource_closers.append(lambda: _record(outcome.event))
         for name, value in outcome.headers.items():
             response[name] = str(value)
         response["X-WR-Origin"] = outcome.origin
         response["X-Relay-Request-ID"] = request_id
         return response
+
+
+def _record(event: dict) -> None:
+    try:
+        record_event(**event, fetch=False)
+    except Exception:
+        # HttpResponse.close() swallows a closer's exception: say it, never lose it silently.
+        logger.exception("usage event %s could not be recorded", event.get("request_id"))
 
 
 def inference_urls():
