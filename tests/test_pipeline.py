@@ -368,3 +368,12 @@ def test_model_unknown_to_catalog_but_granted_wildcard(relay):
     LLMModel.objects.create(name="orphan", provider="openai")
     resp = relay.post("/v1/chat/completions", dict(CHAT, model="orphan"))
     assert resp.status_code == 503 and error_of(resp)["code"] == "no_host_binding"
+
+
+def test_the_provider_is_asked_for_an_uncompressed_answer(relay, fake):
+    # The answer is passed on as the bytes that came: a gzip answer would reach the caller as gzip.
+    assert relay.post("/v1/chat/completions", CHAT).status_code == 200
+    headers = {k.lower(): v for k, v in fake.received[-1]["headers"].items()}
+    assert headers["accept-encoding"] == "identity"
+    assert headers["authorization"] == "Bearer upstream-openai-0" and headers["content-type"] == "application/json"
+    assert fake.received[-1]["body"]["model"] == "gpt-4o-2024-08-06"  # the whole body arrived (Content-Length)
