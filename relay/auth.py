@@ -14,7 +14,7 @@ from django.db import connection
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
-from relay import crypto
+from relay import catalog, crypto
 from relay.errors import AuthError, RelayError
 from relay.models import Project, RelayKey, RevokedToken, User
 
@@ -84,13 +84,19 @@ def is_token(bearer: str) -> bool:
     return bearer.startswith("ey") and bearer.count(".") == 2
 
 
-def authenticate(request) -> Principal:
+_CURRENT = object()
+
+
+def authenticate(request, snapshot=_CURRENT) -> Principal:
+    """`snapshot`: the catalog snapshot a relay key's row is cached in (relay.catalog); by
+    default the one current in Redis. The live view passes the snapshot it holds and
+    has the key pick confirm it (relay.pipeline)."""
     bearer = bearer_from_headers(request.headers)
     if not bearer:
         raise AuthError("missing relay key")
     if is_token(bearer):
         return _principal_from_token(bearer)
-    return _principal_from_key(bearer)
+    return _principal_from_key(bearer, catalog.current() if snapshot is _CURRENT else snapshot)
 
 
 # --- relay keys -------------------------------------------------------------
@@ -139,6 +145,18 @@ WHERE k.key_hash = %s OR k.previous_key_hash = %s
 """
 
 
+def _key_row(key_hash: str, snapshot) -> dict | None:
+    """The key's row from the catalog snapshot, or one query (a key not found is never cached)."""
+    if snapshot is None:
+        return _find_key(key_hash)
+    row = snapshot.relay_keys.get(key_hash)
+    if row is None:
+        row = _find_key(key_hash)
+        if row is not None:
+            snapshot.relay_keys[key_hash] = row
+    return row
+
+
 def _find_key(key_hash: str) -> dict | None:
     with connection.cursor() as cursor:
         cursor.execute(_KEY_SQL, [key_hash, key_hash])
@@ -163,12 +181,12 @@ def _find_key(key_hash: str) -> dict | None:
 def principal_for_key(bearer: str) -> Principal:
     """The principal a relay key value authenticates as (AuthError if it does not): what a request
     presenting it would be. Public for the CLI and the tests."""
-    return _principal_from_key(bearer)
+    return _principal_from_key(bearer, catalog.current())
 
 
-def _principal_from_key(bearer: str) -> Principal:
+def _principal_from_key(bearer: str, snapshot=None) -> Principal:
     key_hash = crypto.sha256_hex(bearer)
-    key = _find_key(key_hash)
+    key = _key_row(key_hash, snapshot)
     if key is None:
         raise AuthError("invalid api key")
     if key["key_hash"] != key_hash:  # the previous value of a rotated key

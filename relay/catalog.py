@@ -30,8 +30,13 @@ change) and again when the transaction commits: another process that reloads
 between the two reads the old rows and caches them under the first bump's
 number; the second bump drops them.
 
-Relay keys and inference tokens are not cached here: revocation must be seen at
-once, and they are checked with one query per request (`relay.auth`).
+Relay keys are cached too (`relay.auth`): the row of a key that was found, with its
+user, service account, project and team, so a request authenticates without a query.
+Their writes bump like any other (revoke, disable, rotate, a user deactivated), and
+the time-bound checks (expiry, a rotated value's grace) are made on every request.
+A live request's key is looked up in the held snapshot and re-checked when the key
+pick finds that snapshot stale; every other surface authenticates with the current
+one. Inference tokens are not cached: they are checked with one query per request.
 
 If the counter disappears (Redis flushed), it restarts from a random value, so a
 process holding an old number cannot mistake a new counter for its own. While Redis
@@ -87,6 +92,7 @@ class _Snapshot:
     gen: str | None
     policies: dict = field(default_factory=dict)  # id -> Policy | None
     routes: dict = field(default_factory=dict)  # (policy id, model name) -> Route | (status, code, message)
+    relay_keys: dict = field(default_factory=dict)  # key hash -> the row relay.auth found for it
     born: float = field(default_factory=time.monotonic)
 
 
@@ -242,6 +248,12 @@ CATALOG_MODELS = (
     "policies.PolicyHostKey",
     "policies.RateLimit",
     "policies.RateLimitRule",
+    # What authenticates a relay key (relay.auth caches the key's row with these).
+    "relay.RelayKey",
+    "relay.User",
+    "relay.ServiceAccount",
+    "relay.Project",
+    "relay.Team",
 )
 
 

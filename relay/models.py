@@ -28,6 +28,8 @@ class Team(models.Model):
     name = models.SlugField(max_length=100, unique=True)
     created_at = models.DateTimeField(default=timezone.now)
 
+    objects = CatalogQuerySet.as_manager()  # bulk writes bump the generation (relay keys are cached)
+
     def __str__(self):
         return self.name
 
@@ -42,6 +44,8 @@ class Project(models.Model):
     )
     created_at = models.DateTimeField(default=timezone.now)
 
+    objects = CatalogQuerySet.as_manager()  # bulk writes bump the generation (relay keys are cached)
+
     def __str__(self):
         return self.name
 
@@ -51,6 +55,8 @@ class ServiceAccount(models.Model):
     name = models.SlugField(max_length=100)
     policy = models.ForeignKey("policies.Policy", null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
     created_at = models.DateTimeField(default=timezone.now)
+
+    objects = CatalogQuerySet.as_manager()  # bulk writes bump the generation (relay keys are cached)
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["project", "name"], name="uniq_service_account_per_project")]
@@ -217,6 +223,8 @@ class RelayKey(models.Model):
     expires_at = models.DateTimeField(null=True, blank=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(default=timezone.now)
+
+    objects = CatalogQuerySet.as_manager()  # bulk writes bump the generation (relay keys are cached)
 
     class Meta:
         constraints = [

@@ -54,6 +54,10 @@ class Call:
     # is more likely a request the provider cannot serve than a bad key: it does not bench the key
     # (nor fail a half-open probe), so a few such items cannot starve the rest of the batch.
     server_error_benches_key: bool = True
+    # A live request authenticated from the catalog snapshot its process held (relay.api.authentication):
+    # that snapshot, and how to authenticate again with another one when the key pick finds it stale.
+    credential_snapshot: object | None = None
+    reauthenticate: Callable[[object], Principal] | None = None
 
 
 @dataclass
@@ -116,6 +120,9 @@ def _routed_and_picked(call: Call, ctx: dict):
     the request routed again; a routing error is confirmed against the counter before it stands."""
     snap = catalog.held()
     for attempt in range(MAX_REROUTES + 1):
+        if call.reauthenticate is not None and not _same_generation(call.credential_snapshot, snap):
+            # The credential was checked against an older catalog: check it again (a revoked key stops here).
+            call.principal, call.credential_snapshot = call.reauthenticate(snap), snap
         try:
             policy, route, path = _route(call, snap)
         except RelayError:
@@ -139,6 +146,10 @@ def _routed_and_picked(call: Call, ctx: dict):
             continue
         return route, path, picks
     raise AssertionError("unreachable: the last attempt does not check the generation")
+
+
+def _same_generation(a, b) -> bool:
+    return a is b or (a is not None and b is not None and a.gen == b.gen)
 
 
 def _dispatch(call: Call, ctx: dict, started: float) -> Outcome:

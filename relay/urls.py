@@ -13,6 +13,9 @@ admin.site.site_title = "Relay batch"
 admin.site.index_template = "admin/relay_index.html"  # links the health page and the API docs
 
 urlpatterns = [
+    # First: the live routes are the hottest, and Django tries patterns in order (none of the others
+    # matches these exact paths).
+    *inference_urls(),
     path("", landing, name="landing"),
     path("healthz", HealthView.as_view(), name="healthz"),
     path("metrics", metrics_view, name="metrics"),
@@ -22,7 +25,6 @@ urlpatterns = [
     path("api/usage/", include("usage.urls")),
     *openapi.urls(),
     path("", include("batches.urls")),
-    *inference_urls(),
 ]
 
 # Errors of API paths in the product's JSON envelope; the admin keeps Django's pages (relay.edge).

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from django.test.utils import CaptureQueriesContext
 from policies.models import Policy, PolicyHostKey, RateLimit, RateLimitRule
 from relay import routing
 from relay.errors import RelayError
-from relay.models import HostBinding, HostKey, LLMModel, Pricing
+from relay.models import HostBinding, HostKey, LLMModel, Pricing, RelayKey
 from tests import factories
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -237,3 +238,35 @@ def test_a_disabled_key_is_never_picked_from_a_held_snapshot(client, catalog):
 
     last = UsageEvent.objects.order_by("-id")[:4]
     assert {e.host_key_id for e in last} == {HostKey.objects.get(name="openai-2").id}
+
+
+# --- relay keys: cached with the catalog, re-checked when it moves on --------------------------
+
+
+def test_a_key_revoked_elsewhere_is_refused_at_the_next_live_request(client, catalog):
+    from relay import services
+
+    assert _chat(client, catalog).status_code == 200  # the key's row is now cached here
+    _as_if_elsewhere(lambda: services.revoke_relay_key(catalog.key_obj))
+    resp = _chat(client, catalog)
+    assert resp.status_code == 401 and resp.json()["error"]["message"] == "api key revoked"
+
+
+def test_a_key_disabled_elsewhere_is_refused_by_the_batch_api_too(client, catalog):
+    headers = {"Authorization": f"Bearer {catalog.key}"}
+    assert client.get("/v1/batches", headers=headers).status_code == 200
+    _as_if_elsewhere(lambda: RelayKey.objects.filter(pk=catalog.key_obj.pk).update(enabled=False))
+    resp = client.get("/v1/batches", headers=headers)
+    assert resp.status_code == 401 and resp.json()["error"]["message"] == "api key disabled"
+
+
+def test_a_cached_key_still_expires_on_time(client, catalog):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    RelayKey.objects.filter(pk=catalog.key_obj.pk).update(expires_at=timezone.now() + timedelta(seconds=1))
+    assert _chat(client, catalog).status_code == 200
+    time.sleep(1.1)  # no write: only the clock moved
+    resp = _chat(client, catalog)
+    assert resp.status_code == 401 and resp.json()["error"]["message"] == "api key expired"

@@ -3,6 +3,7 @@
 - `RelayCredentialAuthentication`: a relay key or an inference token (relay.auth);
   `request.user` is the `Principal`. A missing or bad credential raises the
   product's 401 (AuthError), which each surface answers in its own envelope.
+  `LiveCredentialAuthentication`: the same for the live routes, from the held catalog snapshot.
 - `AdminTokenAuthentication`: `Authorization: Bearer <RELAY_ADMIN_TOKEN>`; `request.user` is `OPERATOR`.
 - `StaffSessionAuthentication`: a staff user's admin session; anyone else's session is ignored.
 """
@@ -12,7 +13,7 @@ import hmac
 from django.conf import settings
 from rest_framework.authentication import BaseAuthentication, SessionAuthentication
 
-from relay import auth
+from relay import auth, catalog
 
 
 class Operator:
@@ -33,6 +34,16 @@ class RelayCredentialAuthentication(BaseAuthentication):
 
     def authenticate_header(self, request):
         return "Bearer"
+
+
+class LiveCredentialAuthentication(RelayCredentialAuthentication):
+    """The live routes': a relay key's row from the catalog snapshot this process holds, with no
+    round trip. `request.auth` is that snapshot; the pipeline's key pick confirms its generation
+    and authenticates again when it is stale (relay.pipeline)."""
+
+    def authenticate(self, request):
+        snapshot = catalog.held()
+        return auth.authenticate(request, snapshot), snapshot
 
 
 class AdminTokenAuthentication(BaseAuthentication):

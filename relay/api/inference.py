@@ -6,10 +6,11 @@ import time
 import uuid6
 from django.conf import settings
 from django.http import HttpResponse
+from rest_framework.negotiation import BaseContentNegotiation
 from rest_framework.views import APIView
 
-from relay import pipeline
-from relay.api.authentication import RelayCredentialAuthentication
+from relay import auth, pipeline
+from relay.api.authentication import LiveCredentialAuthentication
 from relay.errors import RelayError
 from relay.http import parse_json_object, read_body
 from usage.services import record_event
@@ -17,8 +18,17 @@ from usage.services import record_event
 logger = logging.getLogger(__name__)
 
 
+class _NoNegotiation(BaseContentNegotiation):
+    """The view answers the provider's bytes as they are (JSON), whatever the Accept header: DRF's
+    negotiation would parse Accept on every request for a renderer that is never used."""
+
+    def select_renderer(self, request, renderers, format_suffix=None):
+        return renderers[0], renderers[0].media_type
+
+
 class InferenceView(APIView):
-    authentication_classes = [RelayCredentialAuthentication]
+    authentication_classes = [LiveCredentialAuthentication]
+    content_negotiation_class = _NoNegotiation
     upstream_path = ""  # set per route: /v1/chat/completions, /v1/messages, …
 
     def post(self, request, *args, **kwargs):
@@ -39,6 +49,8 @@ class InferenceView(APIView):
                 request_id=request_id,
                 deadline=time.monotonic() + settings.RELAY_UPSTREAM_DEADLINE,
                 inbound_headers=dict(request.headers),
+                credential_snapshot=request.auth,
+                reauthenticate=lambda snapshot: auth.authenticate(request._request, snapshot),
             )
         )
         response = HttpResponse(outcome.body, status=outcome.status, content_type="application/json")
