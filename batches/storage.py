@@ -141,6 +141,53 @@ def read(ref: str) -> bytes:
     raise PayloadMissing(f"unknown payload ref {ref!r}")
 
 
+def read_many(refs: list[str]) -> list:
+    """`read()` of many refs at once, in order: each entry is the payload's bytes or the PayloadMissing
+    that read() would raise. For the results of a 50,000-item batch: `db:` refs are fetched in one
+    query, whole-file `file:` refs with four system calls each (no pathlib, no buffered file object).
+    """
+    out: list = [None] * len(refs)
+    db_keys: dict[str, list[int]] = {}
+    root = os.fsencode(_root()) + b"/"
+    for i, ref in enumerate(refs):
+        if ref.startswith("db:"):
+            db_keys.setdefault(ref[3:], []).append(i)
+        elif ref.startswith("file:") and "#" not in ref:
+            out[i] = _read_whole(root, ref)
+        else:
+            try:
+                out[i] = read(ref)
+            except PayloadMissing as exc:
+                out[i] = exc
+    if db_keys:
+        found = dict(Payload.objects.filter(key__in=list(db_keys)).values_list("key", "data"))
+        for key, positions in db_keys.items():
+            data = found.get(key)
+            for i in positions:
+                out[i] = (
+                    PayloadMissing(f"payload db:{key} not found in the database store") if data is None else bytes(data)
+                )
+    return out
+
+
+def _read_whole(root: bytes, ref: str):
+    rel = ref[5:]
+    try:
+        fd = os.open(root + os.fsencode(rel), os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            parts = []
+            while chunk := os.read(fd, 1 << 20):
+                parts.append(chunk)
+        finally:
+            os.close(fd)
+    except OSError:
+        log.warning("payload %s not found under %s", rel, _root())  # the path is for operators only
+        return PayloadMissing(
+            f"payload {rel} not found in the payload store (is RELAY_BATCH_PAYLOAD_DIR shared by every replica?)"
+        )
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
 def delete_batch(batch_id: str) -> None:
     Payload.objects.filter(key__startswith=f"{batch_id}/").delete()
     shutil.rmtree(_root() / batch_id, ignore_errors=True)
