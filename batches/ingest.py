@@ -158,24 +158,43 @@ class Submission:
         self.close()
 
 
+# Spooled lines are handed to the spool in writes of about this size, not two writes per element.
+_SPOOL_WRITE = 256 * 1024
+
+
 def read_submission(raw_stream, limit: int, keep: int) -> Submission:
     """Parse the body once, as a stream; RelayError(400) on malformed JSON or an oversized body."""
     spool = tempfile.SpooledTemporaryFile(max_size=_SPOOL_MEMORY)  # noqa: SIM115 - Submission closes it
     count = 0
+    pending: list[bytes] = []
+    pending_size = 0
 
     def on_item(idx: int, obj) -> None:
-        nonlocal count
+        nonlocal count, pending_size
         count += 1
-        _guard(obj, f"requests[{idx}]")
+        # Checked by its own encoding (relay.jsonguard.encode), before anything is kept: a lone
+        # surrogate or a 10,000-deep element is refused here, naming the field.
+        try:
+            data = jsonguard.encode(obj, f"requests[{idx}]")
+        except jsonguard.JSONGuardError as exc:
+            raise invalid(f"Invalid request body: {exc.message}.", param=exc.path or None, code=exc.code) from exc
         if idx < keep:
-            # dumps() escapes newlines inside strings, so one element is one line.
-            spool.write(dumps(obj))
-            spool.write(b"\n")
+            # json.dumps escapes newlines inside strings, so one element is one line.
+            pending.append(data)
+            pending_size += len(data) + 1
+            if pending_size >= _SPOOL_WRITE:
+                pending.append(b"")
+                spool.write(b"\n".join(pending))
+                pending.clear()
+                pending_size = 0
 
     stream = LimitedStream(raw_stream, limit)
     try:
         top = parse(stream, on_item)
         _guard(top, "")
+        if pending:
+            pending.append(b"")
+            spool.write(b"\n".join(pending))
     except BaseException:
         spool.close()
         raise
