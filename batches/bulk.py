@@ -84,21 +84,30 @@ def _text(value) -> str:
 # --- new items of a batch ---------------------------------------------------------------------
 
 _BLOCK = 5000  # rows per bulk_create / per COPY when the rows cannot be streamed
-_VARIANT = {c: "89ab"[int(c, 16) & 3] for c in "0123456789abcdef"}
+
+
+_last_ms = 0
 
 
 def _uuid7_strs(n: int) -> list[str]:
-    """`n` UUIDv7 strings of this millisecond: 48-bit Unix time in ms, version 7, the RFC 9562
-    variant, 74 random bits (os.urandom) — what uuid6.uuid7() makes, at a fraction of its cost per id.
-    Ids of one batch need not sort by creation (items are ordered by idx)."""
-    ms = f"{time.time_ns() // 1_000_000 & 0xFFFFFFFFFFFF:012x}"
-    head = f"{ms[:8]}-{ms[8:]}-7"
-    rnd = os.urandom(10 * n).hex()
+    """`n` (at most 65,536) increasing UUIDv7 strings: 48-bit Unix time in ms (after the previous
+    block's), version 7, the RFC 9562 variant, and 74 bits of which the top 16 count up within the
+    block and the other 58 are random (os.urandom). Increasing ids keep the primary key's inserts at
+    its right edge, as uuid6.uuid7()'s do, at a fraction of its cost per id."""
+    global _last_ms
+    ms = max(time.time_ns() // 1_000_000, _last_ms + 1)
+    _last_ms = ms
+    head = (ms & 0xFFFFFFFFFFFF) << 80 | 0x7 << 76
+    rnd = os.urandom(8 * n)
     out = []
-    for i in range(0, 20 * n, 20):
-        r = rnd[i : i + 20]
-        out.append(f"{head}{r[:3]}-{_VARIANT[r[3]]}{r[4:7]}-{r[7:19]}")
+    for i in range(n):
+        payload = i << 58 | int.from_bytes(rnd[8 * i : 8 * i + 8]) >> 6
+        h = f"{head | (payload >> 62) << 64 | 0b10 << 62 | payload & _LOW62:032x}"
+        out.append(f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}")
     return out
+
+
+_LOW62 = (1 << 62) - 1
 
 
 class _RowStream:

@@ -98,6 +98,10 @@ def check(value, path: str = "", *, max_depth: int = MAX_DEPTH) -> None:
                     stack.append((child, _join(where, i), depth + 1))
 
 
+# One encoder for every encode(): json.dumps with these options would build a new one per call.
+_COMPACT = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
 def encode(value, path: str = "", *, max_depth: int = MAX_DEPTH) -> bytes:
     """`value` as compact UTF-8 JSON, with check()'s guarantees; JSONGuardError as check() raises it.
 
@@ -110,7 +114,7 @@ def encode(value, path: str = "", *, max_depth: int = MAX_DEPTH) -> bytes:
     which raises the exact error, naming the field.
     """
     try:
-        data = json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+        data = _COMPACT.encode(value).encode()
     except (ValueError, UnicodeEncodeError, RecursionError):
         check(value, path, max_depth=max_depth)
         raise  # not reached: check() refuses whatever made the encoding fail
