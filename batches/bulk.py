@@ -191,23 +191,18 @@ def copy_new_items(batch_id, rows: Iterable[tuple[int, str, str]], *, max_attemp
 def _create_new_items(batch_id, rows, max_attempts: int) -> int:
     count, block = 0, []
     for idx, ref, custom_id in rows:
+        if not count % _BLOCK:
+            ids = _uuid7_strs(_BLOCK)
+        values = {**_DEFAULTS, "max_attempts": max_attempts, "custom_id": custom_id}
         block.append(
-            Item(
-                **{**_DEFAULTS, "max_attempts": max_attempts},
-                id=_uuid7_strs(1)[0],
-                batch_id=batch_id,
-                idx=idx,
-                state="available",
-                input_ref=ref,
-                custom_id=custom_id,
-            )
+            Item(**values, id=ids[count % _BLOCK], batch_id=batch_id, idx=idx, state="available", input_ref=ref)
         )
+        count += 1
         if len(block) >= _BLOCK:
             Item.objects.bulk_create(block)
-            count += len(block)
             block = []
     Item.objects.bulk_create(block)
-    return count + len(block)
+    return count
 
 
 def _column_names() -> str:

@@ -148,6 +148,12 @@ class Submission:
         for line in self._spool:
             yield line[:-1]
 
+    def jsonl_chunks(self, size: int = 1024 * 1024) -> Iterator[bytes]:
+        """The spooled elements as JSON Lines (each element and its newline), in chunks of `size` bytes."""
+        self._spool.seek(0)
+        while chunk := self._spool.read(size):
+            yield chunk
+
     def close(self) -> None:
         self._spool.close()
 

@@ -232,3 +232,42 @@ def test_an_error_raised_by_the_rows_comes_out_as_itself(stream):
     with pytest.raises(Refused, match="Duplicate"), transaction.atomic():
         bulk.copy_new_items(batch_id, rows(), max_attempts=3, stream=stream)
     assert not Item.objects.filter(batch_id=batch_id).exists()
+
+
+def test_jsonl_chunks_are_the_elements_as_lines():
+    import io
+    import json
+
+    from batches import ingest
+
+    body = {"shape": "openai", "requests": [{"n": i, "text": "line\nbreak " * (i % 50)} for i in range(3000)]}
+    with ingest.read_submission(io.BytesIO(json.dumps(body).encode()), 10**8, 50_000) as sub:
+        lines = b"".join(e + b"\n" for e in sub.elements())
+        assert b"".join(sub.jsonl_chunks(size=4096)) == lines
+        assert [json.loads(x) for x in lines.splitlines()] == body["requests"]
+
+
+@pytest.mark.django_db
+def test_read_many_answers_as_read_does_ref_by_ref(tmp_path):
+    from django.test import override_settings
+
+    from batches import storage
+    from batches.models import Payload
+
+    with override_settings(RELAY_BATCH_PAYLOAD_DIR=str(tmp_path)):
+        ok = storage.write_result("b1", "i1", b'{"a": 1}')
+        big = storage.write_result("b1", "i2", b"x" * (3 << 20))
+        writer = storage.input_writer("b2")
+        span = writer.add(0, b'{"in": 0}')
+        writer.close()
+        Payload.objects.create(key="b3/out/i1", data=b'{"db": true}')
+        refs = [ok, "file:b1/results/missing.json", big, span, "db:b3/out/i1", "db:b3/out/nope", "weird:x", ok]
+        got = storage.read_many(refs)
+        for ref, value in zip(refs, got, strict=True):
+            try:
+                expected = storage.read(ref)
+            except storage.PayloadMissing as exc:
+                assert isinstance(value, storage.PayloadMissing), ref
+                assert str(value) == str(exc)
+            else:
+                assert value == expected, ref
