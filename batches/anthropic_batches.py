@@ -31,7 +31,6 @@ from django.utils import timezone
 from batches import bulk, ingest, lifecycle, openai_batches, storage
 from batches.models import Batch, BatchStatus, Item, ItemState, Shape, Surface
 from batches.outcomes import Code
-from relay import jsonguard
 from relay.auth import Principal
 from relay.errors import RelayError
 
@@ -119,24 +118,16 @@ def create(principal: Principal, submission: ingest.Submission) -> Batch:
     try:
         with transaction.atomic():
             seen: set[str] = set()
-            pending: list[dict] = []
-            for idx, element in enumerate(submission.elements()):
-                custom_id, params = _request(idx, jsonguard.loads(element), seen)
-                pending.append(
-                    dict(
-                        id=uuid6.uuid7(),
-                        batch_id=batch_id,
-                        idx=idx,
-                        state=ItemState.AVAILABLE,
-                        input_ref=writer.add(idx, ingest.dumps(params)),
-                        custom_id=custom_id,
-                        max_attempts=settings.RELAY_BATCH_MAX_ATTEMPTS,
-                    )
-                )
-                if len(pending) >= 5000:
-                    bulk.insert_items(pending)
-                    pending.clear()
-            bulk.insert_items(pending)
+
+            def rows():
+                for idx, element in enumerate(submission.elements()):
+                    # The element was checked by relay.jsonguard when the body was read (batches.ingest).
+                    custom_id, params = _request(idx, json.loads(element), seen)
+                    yield idx, writer.add(idx, ingest.dumps(params)), custom_id
+
+            bulk.copy_new_items(
+                batch_id, rows(), max_attempts=settings.RELAY_BATCH_MAX_ATTEMPTS, stream=not writer.uses_db
+            )
             writer.close()
             batch = Batch.objects.create(
                 id=batch_id,

@@ -95,7 +95,7 @@ def create(principal: Principal, submission: ingest.Submission, *, idempotency_k
                     principal,
                     purpose=FilePurpose.BATCH,
                     filename=f"batch_{batch_id.hex}_requests.jsonl",
-                    chunks=(element + b"\n" for element in submission.elements()),
+                    chunks=submission.jsonl_chunks(),  # line N = requests[N-1], a megabyte per write
                     batch_id=batch_id,
                 )
             batch = Batch.objects.create(

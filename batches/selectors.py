@@ -5,6 +5,7 @@ import re
 import uuid
 from collections.abc import Iterator
 
+from django.db import connection
 from django.db.models import Count, IntegerField, OuterRef, Q, Subquery, Sum
 from django.db.models.functions import Coalesce
 from django.utils import timezone
@@ -66,52 +67,105 @@ def iter_status_json(batch: Batch) -> Iterator[bytes]:
         ),
     }
     yield json.dumps(head)[:-1].encode() + b', "items": ['
-    rows = Item.objects.filter(batch=batch).order_by("idx").values_list("idx", "state").iterator(chunk_size=5000)
-    chunk, first = [], True
-    for idx, state in rows:
-        chunk.append(f'{{"idx": {idx}, "state": "{state}"}}')
-        if len(chunk) == 5000:
-            yield ("" if first else ", ").encode() + ", ".join(chunk).encode()
-            chunk, first = [], False
-    if chunk:
-        yield ("" if first else ", ").encode() + ", ".join(chunk).encode()
+    # Raw rows from a server-side cursor, 5,000 a time: no ORM row handling per item.
+    item = Item._meta
+    sql = f'SELECT "idx", "state" FROM "{item.db_table}" WHERE "{item.get_field("batch").column}" = %s ORDER BY "idx"'
+    first = True
+    with connection.chunked_cursor() as cursor:
+        cursor.execute(sql, [Batch._meta.pk.get_db_prep_value(batch.pk, connection)])
+        while rows := cursor.fetchmany(5000):
+            text = ", ".join([f'{{"idx": {idx}, "state": "{state}"}}' for idx, state in rows])
+            yield (text if first else ", " + text).encode()
+            first = False
     yield b"]}"
+
+
+# Rows fetched from the server-side cursor at a time, and the size of each chunk handed to the server.
+RESULTS_ROWS = 2000
+WRITE_CHUNK = 256 * 1024
+_DECODER = json.JSONDecoder()
 
 
 def iter_results_json(batch: Batch) -> Iterator[bytes]:
-    """`{"results": [...]}` in item order, one item at a time: constant memory for any size."""
-    yield b'{"results":['
-    first = True
-    attempts = Attempt.objects.filter(item_id=OuterRef("pk")).order_by().values("item_id")
-    rows = (
-        Item.objects.filter(batch=batch)
-        .order_by("idx")
-        .annotate(n_attempts=Subquery(attempts.annotate(c=Count("*")).values("c"), output_field=IntegerField()))
-        .values_list("idx", "state", "result_ref", "error", "error_body", "status_code", "n_attempts")
-        .iterator(chunk_size=1000)
+    """`{"results": [...]}` in item order, in constant memory for any size.
+
+    Raw rows from a server-side cursor (no model instances), the stored bodies
+    of each page read at once (storage.read_many), and output handed on in
+    WRITE_CHUNK pieces rather than one write per item.
+    """
+    item, attempt = Item._meta, Attempt._meta
+    sql = (
+        f'SELECT i."idx", i."state", i."result_ref", i."error", i."error_body", i."status_code", '
+        f'(SELECT COUNT(*) FROM "{attempt.db_table}" a WHERE a."{attempt.get_field("item").column}" = i."id") '
+        f'FROM "{item.db_table}" i WHERE i."{item.get_field("batch").column}" = %s ORDER BY i."idx"'
     )
-    for idx, state, result_ref, error, error_body, status_code, n_attempts in rows:
-        parts = [b'{"idx":', str(idx).encode(), b',"state":', json.dumps(state).encode()]
-        if state == ItemState.COMPLETED and result_ref:
-            try:
-                body = storage.read(result_ref)
-                json.loads(body)  # only valid JSON is spliced in verbatim
-                parts += [b',"response":', body]
-            except (storage.PayloadMissing, ValueError) as exc:
-                parts += [b',"error":', json.dumps(f"batch: load result: {exc}").encode()]
-        elif error:
-            parts += [b',"error":', json.dumps(error).encode()]
-            if status_code:
-                parts += [b',"status_code":', str(status_code).encode()]
-            if error_body:
-                parts += [b',"error_body":', _error_body_json(error_body)]
-        if n_attempts:
-            # Tries that reached a provider (retries and 429 waits included); each is in the attempt history.
-            parts += [b',"attempts":', str(n_attempts).encode()]
-        parts.append(b"}")
-        yield (b"" if first else b",") + b"".join(parts)
-        first = False
-    yield b"]}"
+    out = [b'{"results":[']
+    size, first = 0, True
+    completed = ItemState.COMPLETED
+    with connection.chunked_cursor() as cursor:
+        cursor.execute(sql, [Batch._meta.pk.get_db_prep_value(batch.pk, connection)])
+        while rows := cursor.fetchmany(RESULTS_ROWS):
+            refs = [row[2] for row in rows if row[1] == completed and row[2]]
+            bodies = iter(storage.read_many(refs)) if refs else iter(())
+            for idx, state, result_ref, error, error_body, status_code, n_attempts in rows:
+                piece = (
+                    (b'{"idx":' if first else b',{"idx":')
+                    + str(idx).encode()
+                    + b',"state":'
+                    + (_STATES.get(state) or json.dumps(state).encode())
+                )
+                first = False
+                if state == completed and result_ref:
+                    body = next(bodies)
+                    if isinstance(body, storage.PayloadMissing):
+                        piece += b',"error":' + json.dumps(f"batch: load result: {body}").encode()
+                    elif _is_json(body):  # only valid JSON is spliced in verbatim
+                        piece += b',"response":' + body
+                    else:
+                        piece += b',"error":' + json.dumps(f"batch: load result: {_json_error(body)}").encode()
+                elif error:
+                    piece += b',"error":' + json.dumps(error).encode()
+                    if status_code:
+                        piece += b',"status_code":' + str(status_code).encode()
+                    if error_body:
+                        piece += b',"error_body":' + _error_body_json(error_body)
+                if n_attempts:
+                    # Tries that reached a provider (retries and 429 waits included); each is in the attempt history.
+                    piece += b',"attempts":' + str(n_attempts).encode()
+                out.append(piece + b"}")
+                size += len(piece)
+                if size >= WRITE_CHUNK:
+                    yield b"".join(out)
+                    out, size = [], 0
+    out.append(b"]}")
+    yield b"".join(out)
+
+
+_STATES = {state: json.dumps(state).encode() for state in ItemState.values}
+
+
+def _is_json(body: bytes) -> bool:
+    """Whether `body` is one JSON document (what json.loads accepts), checked the fast way first."""
+    try:
+        text = body.decode()
+        _, end = _DECODER.raw_decode(text)
+        if end == len(text):
+            return True
+    except (UnicodeDecodeError, ValueError):
+        pass
+    try:  # leading/trailing whitespace, another encoding, …: json.loads decides, as before
+        json.loads(body)
+    except ValueError:
+        return False
+    return True
+
+
+def _json_error(body: bytes) -> str:
+    try:
+        json.loads(body)
+    except ValueError as exc:
+        return str(exc)
+    return "not JSON"
 
 
 def _error_body_json(text: str) -> bytes:

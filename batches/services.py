@@ -78,23 +78,9 @@ def store_native(principal: auth.Principal, submission: ingest.Submission) -> Ba
     writer = storage.input_writer(str(batch_id))
     try:
         with transaction.atomic():
-            pending: list[dict] = []
-            for idx, data in enumerate(submission.elements()):
-                ref = writer.add(idx, data)
-                pending.append(
-                    dict(
-                        id=uuid6.uuid7(),
-                        batch_id=batch_id,
-                        idx=idx,
-                        state="available",
-                        input_ref=ref,
-                        max_attempts=retry["max_attempts"],
-                    )
-                )
-                if len(pending) >= 5000:
-                    bulk.insert_items(pending)  # COPY on PostgreSQL
-                    pending.clear()
-            bulk.insert_items(pending)
+            # Each element is appended to the input file as its row is formatted (batches/bulk.py).
+            rows = ((idx, writer.add(idx, data), "") for idx, data in enumerate(submission.elements()))
+            bulk.copy_new_items(batch_id, rows, max_attempts=retry["max_attempts"], stream=not writer.uses_db)
             writer.close()
             batch = Batch.objects.create(
                 id=batch_id,

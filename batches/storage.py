@@ -35,17 +35,20 @@ class PayloadMissing(Exception):
 
 
 class _DirInputWriter:
+    uses_db = False  # add() never touches the database: rows can stream into a COPY meanwhile
+
     def __init__(self, root: Path, batch_id: str):
         self.dir = root / batch_id
         self.dir.mkdir(parents=True, exist_ok=True)
         self.rel = f"{batch_id}/input.jsonl"
-        self.fh = open(self.dir / "input.jsonl", "wb")  # noqa: SIM115 - closed in close()/discard()
+        # A large buffer: a 31 MiB input is a few dozen write(2)s, not one per element.
+        self.fh = open(self.dir / "input.jsonl", "wb", buffering=1024 * 1024)  # noqa: SIM115 - closed in close()/discard()
+        self.prefix = f"file:{self.rel}#"
         self.offset = 0
 
     def add(self, idx: int, data: bytes) -> str:
-        self.fh.write(data)
-        self.fh.write(b"\n")
-        ref = f"file:{self.rel}#{self.offset}:{len(data)}"
+        self.fh.write(data + b"\n")
+        ref = f"{self.prefix}{self.offset}:{len(data)}"
         self.offset += len(data) + 1
         return ref
 
@@ -62,6 +65,7 @@ class _DirInputWriter:
 
 class _DbInputWriter:
     FLUSH_EVERY = 1000
+    uses_db = True
 
     def __init__(self, batch_id: str):
         self.batch_id = batch_id
@@ -139,6 +143,53 @@ def read(ref: str) -> bytes:
             raise PayloadMissing(f"payload {rel} is truncated")
         return data
     raise PayloadMissing(f"unknown payload ref {ref!r}")
+
+
+def read_many(refs: list[str]) -> list:
+    """`read()` of many refs at once, in order: each entry is the payload's bytes or the PayloadMissing
+    that read() would raise. For the results of a 50,000-item batch: `db:` refs are fetched in one
+    query, whole-file `file:` refs with four system calls each (no pathlib, no buffered file object).
+    """
+    out: list = [None] * len(refs)
+    db_keys: dict[str, list[int]] = {}
+    root = os.fsencode(_root()) + b"/"
+    for i, ref in enumerate(refs):
+        if ref.startswith("db:"):
+            db_keys.setdefault(ref[3:], []).append(i)
+        elif ref.startswith("file:") and "#" not in ref:
+            out[i] = _read_whole(root, ref)
+        else:
+            try:
+                out[i] = read(ref)
+            except PayloadMissing as exc:
+                out[i] = exc
+    if db_keys:
+        found = dict(Payload.objects.filter(key__in=list(db_keys)).values_list("key", "data"))
+        for key, positions in db_keys.items():
+            data = found.get(key)
+            for i in positions:
+                out[i] = (
+                    PayloadMissing(f"payload db:{key} not found in the database store") if data is None else bytes(data)
+                )
+    return out
+
+
+def _read_whole(root: bytes, ref: str):
+    rel = ref[5:]
+    try:
+        fd = os.open(root + os.fsencode(rel), os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            parts = []
+            while chunk := os.read(fd, 1 << 20):
+                parts.append(chunk)
+        finally:
+            os.close(fd)
+    except OSError:
+        log.warning("payload %s not found under %s", rel, _root())  # the path is for operators only
+        return PayloadMissing(
+            f"payload {rel} not found in the payload store (is RELAY_BATCH_PAYLOAD_DIR shared by every replica?)"
+        )
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def delete_batch(batch_id: str) -> None:

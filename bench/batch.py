@@ -31,14 +31,22 @@ Figures, in the order they are measured:
 
 Knobs (environment): BENCH_ITEMS (50000), BENCH_ITEM_BYTES (650: size of one request),
 BENCH_THROUGHPUT_ITEMS (2000), BENCH_LATENCY_MS (100), BENCH_CEILING_ITEMS (1000; 0 skips the 0 ms run),
-BENCH_SKIP_OPENAI_UPLOAD=1, BENCH_RESULTS_VIA_WORKER=1, BENCH_KEEP_DB=1 (keep relay_bench_batch).
+BENCH_SKIP_OPENAI_UPLOAD=1, BENCH_RESULTS_VIA_WORKER=1, BENCH_KEEP_DB=1 (keep relay_bench_batch),
+BENCH_ONLY_IO=1 (parts a, c and d only: no worker is started, b, e and f are skipped; a few minutes),
+BENCH_PYSPY=<dir> (record a py-spy profile, raw and speedscope, of the gunicorn workers while a and c
+run, into <dir>; needs py-spy in the venv and ptrace rights).
 Prints figures; asserts nothing about timings.
 """
 
+import contextlib
 import io
 import json
 import os
 import secrets
+import shutil
+import signal
+import subprocess
+import sys
 import time
 from datetime import datetime
 from pathlib import Path
@@ -120,6 +128,51 @@ class MultipartFile:
             part.close()
 
 
+@contextlib.contextmanager
+def profiled(web: harness.Web, label: str):
+    """With BENCH_PYSPY=<dir>: py-spy records every gunicorn worker while the block runs (raw and
+    speedscope files named after `label`); otherwise nothing."""
+    out = os.environ.get("BENCH_PYSPY")
+    spy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
+    if not out or not spy:
+        yield
+        return
+    Path(out).mkdir(parents=True, exist_ok=True)
+    procs = []
+    for pid in web.worker_pids():
+        for fmt in ("raw", "speedscope"):
+            procs.append(
+                subprocess.Popen(
+                    [
+                        spy,
+                        "record",
+                        "-p",
+                        str(pid),
+                        "--nonblocking",
+                        "-r",
+                        "250",
+                        "-f",
+                        fmt,
+                        "-o",
+                        str(Path(out) / f"{label}-{pid}.{fmt}"),
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
+    time.sleep(1.0)  # let py-spy attach before the request starts
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGINT)
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
 # --- the figures ---------------------------------------------------------------------------------------
 
 
@@ -148,6 +201,8 @@ def submit(web: harness.Web, key: str, path: Path, cpu_groups: dict) -> dict:
         "t202": t202,
         "mem": mem.summary(),
         "cpu": cpu.describe(body["total_items"], "item"),
+        "web_cpu_s": cpu.used["web (gunicorn)"] if "web (gunicorn)" in cpu.used else None,
+        "busy": cpu.machine_busy,
     }
 
 
@@ -234,6 +289,8 @@ def fetch_results(web: harness.Web, key: str, batch_id: str, cpu_groups: dict) -
         "well_formed": well_formed,
         "mem": mem.summary(),
         "cpu": cpu.describe(count, "result"),
+        "web_cpu_s": cpu.used["web (gunicorn)"] if "web (gunicorn)" in cpu.used else None,
+        "busy": cpu.machine_busy,
     }
 
 
@@ -436,6 +493,7 @@ def run() -> dict:
     rl_n = env_int("BENCH_RL_ITEMS", 200)
     rl_rps = env_float("BENCH_RL_KEY_RPS", 5)
     via_worker = os.environ.get("BENCH_RESULTS_VIA_WORKER") == "1"
+    only_io = os.environ.get("BENCH_ONLY_IO") == "1"
     started = time.monotonic()
     r: dict = {"n": n, "via_worker": via_worker}
     with harness.Stack(db_name=harness.db_name("_batch"), redis_db=env_int("BENCH_REDIS_DB_BATCH", 10)) as stack:
@@ -462,7 +520,8 @@ def run() -> dict:
         body_path = stack.tmp / "native-batch.json"
         r["body_bytes"] = write_native_body(body_path, n, item_bytes)
         log(f"a. POST /v1/batches: {n} items, {r['body_bytes'] / harness.MiB:.1f} MiB, streamed from disk")
-        r["submit"] = submit(web, key, body_path, cpu_groups)
+        with profiled(web, "submit"):
+            r["submit"] = submit(web, key, body_path, cpu_groups)
         body_path.unlink()
         batch_id = r["submit"]["id"]
 
@@ -478,34 +537,42 @@ def run() -> dict:
             log(f"c. completing the {n} items in the database (storage.write_result + state update)")
             r["prep"] = {"how": "db", **complete_in_db(batch_id)}
         log("c. GET /v1/batches/{id}/results, streamed to /dev/null")
-        r["results"] = fetch_results(web, key, batch_id, cpu_groups)
-        st = fetch_status(web, key, batch_id)
+        with profiled(web, "results"):
+            r["results"] = fetch_results(web, key, batch_id, cpu_groups)
+        with profiled(web, "status"):
+            st = fetch_status(web, key, batch_id)
         r["status_view"] = {k: v for k, v in st.items() if k != "body"}
 
-        # b. throughput
-        if worker is None:
-            log("b. starting the Celery worker (-c 8, -B)")
-            worker = procs["worker"] = stack.start_worker()
-        log(f"b. throughput: {tp_n} items at {latency:g} ms upstream latency")
-        r["tp"] = throughput(web, key, upstream, stack.tmp, tp_n, latency, item_bytes, cpu_groups)
-        r["tp_results"] = fetch_results(web, key, r["tp"]["id"], cpu_groups)
-        if ceiling_n > 0:
-            log(f"b. worker ceiling: {ceiling_n} items at 0 ms upstream latency")
-            r["tp0"] = throughput(web, key, upstream, stack.tmp, ceiling_n, 0, item_bytes, cpu_groups)
-        if large_n > 0:
-            log(f"b. drain of a large batch: {large_n} items at {latency:g} ms upstream latency")
-            r["tp_large"] = throughput(web, key, upstream, stack.tmp, large_n, latency, item_bytes, cpu_groups)
-        if rl_n > 0:
-            log(f"f. rate-limited provider: {rl_n} items, 2 keys x {rl_rps:g} req/s (429 + Retry-After beyond)")
-            r["rl"] = rate_limited_drain(web, key, upstream, stack.tmp, rl_n, latency, rl_rps)
-        worker.stop()
-        procs.pop("worker")
+        if only_io:
+            log("BENCH_ONLY_IO=1: skipping b, e and f (no worker)")
+            if worker is not None:
+                worker.stop()
+                procs.pop("worker")
+        else:
+            # b. throughput
+            if worker is None:
+                log("b. starting the Celery worker (-c 8, -B)")
+                worker = procs["worker"] = stack.start_worker()
+            log(f"b. throughput: {tp_n} items at {latency:g} ms upstream latency")
+            r["tp"] = throughput(web, key, upstream, stack.tmp, tp_n, latency, item_bytes, cpu_groups)
+            r["tp_results"] = fetch_results(web, key, r["tp"]["id"], cpu_groups)
+            if ceiling_n > 0:
+                log(f"b. worker ceiling: {ceiling_n} items at 0 ms upstream latency")
+                r["tp0"] = throughput(web, key, upstream, stack.tmp, ceiling_n, 0, item_bytes, cpu_groups)
+            if large_n > 0:
+                log(f"b. drain of a large batch: {large_n} items at {latency:g} ms upstream latency")
+                r["tp_large"] = throughput(web, key, upstream, stack.tmp, large_n, latency, item_bytes, cpu_groups)
+            if rl_n > 0:
+                log(f"f. rate-limited provider: {rl_n} items, 2 keys x {rl_rps:g} req/s (429 + Retry-After beyond)")
+                r["rl"] = rate_limited_drain(web, key, upstream, stack.tmp, rl_n, latency, rl_rps)
+            worker.stop()
+            procs.pop("worker")
 
-        # e. scale-out at a latency where CPU is not the limit
-        r["scale"] = []
-        for w in scale_workers:
-            log(f"e. scale-out: {w} worker(s) x {SLOTS} slots, {scale_n} items at {scale_latency:g} ms")
-            r["scale"].append(scale_out(stack, web, key, upstream, scale_n, scale_latency, w, item_bytes, procs))
+            # e. scale-out at a latency where CPU is not the limit
+            r["scale"] = []
+            for w in scale_workers:
+                log(f"e. scale-out: {w} worker(s) x {SLOTS} slots, {scale_n} items at {scale_latency:g} ms")
+                r["scale"].append(scale_out(stack, web, key, upstream, scale_n, scale_latency, w, item_bytes, procs))
 
         # d. OpenAI-compatible upload (no worker running: that batch is never executed)
         if os.environ.get("BENCH_SKIP_OPENAI_UPLOAD") == "1":
@@ -527,6 +594,7 @@ def print_report(r: dict) -> None:
     print(f"a. submit {n:,} items ({r['body_bytes'] / harness.MiB:.1f} MiB) -> 202 in {s['seconds']:.2f} s")
     print(f"   web memory: {fmt_mem(s['mem'])}; other worker at rest")
     print(f"   {s['cpu']}")
+    print(f"   {_web_cpu(s, n, 'item')}")
     p = r["prep"]
     if p["how"] == "worker":
         how = f"run through the worker at 0 ms upstream latency in {p['seconds']:.1f} s"
@@ -543,11 +611,16 @@ def print_report(r: dict) -> None:
     )
     print(f"   web memory: {fmt_mem(res['mem'])}")
     print(f"   {res['cpu']}")
+    print(f"   {_web_cpu(res, res['results'], 'result')}")
     sv = r["status_view"]
     print(
         f"   (also GET /v1/batches/{{id}} of that batch: {sv['bytes'] / harness.MiB:.1f} MiB in {sv['seconds']:.2f} s, "
         f"web memory +{sv['mem']['growth_mib']:.1f} MiB)"
     )
+    if "tp" not in r:
+        print("b, e, f: skipped (BENCH_ONLY_IO=1)")
+        _print_openai(r)
+        return
     t = r["tp"]
     print(
         f"b. throughput, {t['n']:,} items at {t['latency_ms']:g} ms upstream latency, 1 worker x {SLOTS} slots: "
@@ -595,6 +668,21 @@ def print_report(r: dict) -> None:
                 f"   items: {states}; status codes {codes}; upstream saw {rl['upstream_requests']} requests, "
                 f"answered {rl['upstream_429']} with 429; create -> batch completed {rl['batch_seconds']:.1f} s"
             )
+    _print_openai(r)
+
+
+def _web_cpu(fig: dict, units: int, unit: str) -> str:
+    """The web process's CPU, which the one-decimal figure above rounds to 0.0 ms."""
+    if fig.get("web_cpu_s") is None:
+        return "web CPU: not measured"
+    return (
+        f"web CPU {fig['web_cpu_s']:.2f} s = {fig['web_cpu_s'] * 1e6 / max(1, units):.1f} µs per {unit} "
+        f"(machine {fig['busy']:.2f} of {os.cpu_count()} cores busy)"
+    )
+
+
+def _print_openai(r: dict) -> None:
+    n = r["n"]
     o = r["openai"]
     if "skipped" in o:
         print(f"d. OpenAI-compatible {n:,}-record JSONL upload + create: {o['skipped']}")

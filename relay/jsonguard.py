@@ -15,7 +15,8 @@ the relay re-encodes the body it parsed, so the provider sees the same value
 the relay checked.
 
 `loads()` parses and checks; `check()` checks a value that is already parsed
-(ijson's streaming parse of a batch body). Both raise JSONGuardError, a
+(ijson's streaming parse of a batch body); `encode()` checks a parsed value and
+returns it as compact JSON, the cheap way for the usual value (see there). Both raise JSONGuardError, a
 ValueError, so callers that already treat "not JSON" as bad input need no change.
 """
 
@@ -95,6 +96,31 @@ def check(value, path: str = "", *, max_depth: int = MAX_DEPTH) -> None:
             else:
                 for i, child in enumerate(node):
                     stack.append((child, _join(where, i), depth + 1))
+
+
+# One encoder for every encode(): json.dumps with these options would build a new one per call.
+_COMPACT = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
+def encode(value, path: str = "", *, max_depth: int = MAX_DEPTH) -> bytes:
+    """`value` as compact UTF-8 JSON, with check()'s guarantees; JSONGuardError as check() raises it.
+
+    The usual value is checked by its own encoding rather than by walking it in
+    Python: json.dumps(allow_nan=False) refuses non-finite numbers, encoding the
+    text as UTF-8 refuses lone surrogates, a NUL can only appear escaped as
+    `\u0000`, and a value with at most `max_depth` brackets in its text cannot nest
+    deeper. Anything that trips one of these (or merely might, like a string
+    holding the six characters `\u0000`, or many brackets) goes through check(),
+    which raises the exact error, naming the field.
+    """
+    try:
+        data = _COMPACT.encode(value).encode()
+    except (ValueError, UnicodeEncodeError, RecursionError):
+        check(value, path, max_depth=max_depth)
+        raise  # not reached: check() refuses whatever made the encoding fail
+    if b"\\u0000" in data or data.count(b"{") + data.count(b"[") > max_depth:
+        check(value, path, max_depth=max_depth)
+    return data
 
 
 def _refuse_constant(name: str):

@@ -1,0 +1,273 @@
+"""The fast paths of batch submit (issue 11): jsonguard.encode answers exactly as check() does, the
+UUIDv7s of new items are well formed, and the streamed COPY of new items keeps the caller's error."""
+
+import math
+import time
+import uuid
+
+import pytest
+from django.db import transaction
+
+from batches import bulk
+from batches.models import Item
+from relay import jsonguard
+
+DEEP_OK = {
+    "a": [
+        [
+            [
+                [
+                    [
+                        [
+                            [
+                                [
+                                    [
+                                        [
+                                            [
+                                                [
+                                                    [
+                                                        [
+                                                            [
+                                                                [
+                                                                    [
+                                                                        [
+                                                                            [
+                                                                                [
+                                                                                    [
+                                                                                        [
+                                                                                            [
+                                                                                                [
+                                                                                                    [
+                                                                                                        [
+                                                                                                            [
+                                                                                                                [
+                                                                                                                    [
+                                                                                                                        [
+                                                                                                                            [
+                                                                                                                                [
+                                                                                                                                    [
+                                                                                                                                        [
+                                                                                                                                            [
+                                                                                                                                                [
+                                                                                                                                                    [
+                                                                                                                                                        [
+                                                                                                                                                            [
+                                                                                                                                                                [
+                                                                                                                                                                    [
+                                                                                                                                                                        [
+                                                                                                                                                                            [
+                                                                                                                                                                                [
+                                                                                                                                                                                    [
+                                                                                                                                                                                        [
+                                                                                                                                                                                            [
+                                                                                                                                                                                                [
+                                                                                                                                                                                                    [
+                                                                                                                                                                                                        [
+                                                                                                                                                                                                            [
+                                                                                                                                                                                                                [
+                                                                                                                                                                                                                    [
+                                                                                                                                                                                                                        [
+                                                                                                                                                                                                                            [
+                                                                                                                                                                                                                                [
+                                                                                                                                                                                                                                    [
+                                                                                                                                                                                                                                        [
+                                                                                                                                                                                                                                            [
+                                                                                                                                                                                                                                                [
+                                                                                                                                                                                                                                                    [
+                                                                                                                                                                                                                                                        [
+                                                                                                                                                                                                                                                            1
+                                                                                                                                                                                                                                                        ]
+                                                                                                                                                                                                                                                    ]
+                                                                                                                                                                                                                                                ]
+                                                                                                                                                                                                                                            ]
+                                                                                                                                                                                                                                        ]
+                                                                                                                                                                                                                                    ]
+                                                                                                                                                                                                                                ]
+                                                                                                                                                                                                                            ]
+                                                                                                                                                                                                                        ]
+                                                                                                                                                                                                                    ]
+                                                                                                                                                                                                                ]
+                                                                                                                                                                                                            ]
+                                                                                                                                                                                                        ]
+                                                                                                                                                                                                    ]
+                                                                                                                                                                                                ]
+                                                                                                                                                                                            ]
+                                                                                                                                                                                        ]
+                                                                                                                                                                                    ]
+                                                                                                                                                                                ]
+                                                                                                                                                                            ]
+                                                                                                                                                                        ]
+                                                                                                                                                                    ]
+                                                                                                                                                                ]
+                                                                                                                                                            ]
+                                                                                                                                                        ]
+                                                                                                                                                    ]
+                                                                                                                                                ]
+                                                                                                                                            ]
+                                                                                                                                        ]
+                                                                                                                                    ]
+                                                                                                                                ]
+                                                                                                                            ]
+                                                                                                                        ]
+                                                                                                                    ]
+                                                                                                                ]
+                                                                                                            ]
+                                                                                                        ]
+                                                                                                    ]
+                                                                                                ]
+                                                                                            ]
+                                                                                        ]
+                                                                                    ]
+                                                                                ]
+                                                                            ]
+                                                                        ]
+                                                                    ]
+                                                                ]
+                                                            ]
+                                                        ]
+                                                    ]
+                                                ]
+                                            ]
+                                        ]
+                                    ]
+                                ]
+                            ]
+                        ]
+                    ]
+                ]
+            ]
+        ]
+    ]
+}
+
+
+def _nested(depth: int):
+    value = 1
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+VALUES = [
+    {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}], "temperature": 0.2},
+    {"text": "a\x00b"},
+    {"k\x00": 1},
+    {"text": "the six characters \\u0000 are not a NUL"},
+    {"text": "\ud800"},
+    {"k\udfff": 1},
+    {"x": float("inf")},
+    {"x": [1, -math.inf]},
+    {"x": float("nan")},
+    {"text": "{[" * 200},  # many brackets inside a string: not nesting
+    _nested(63),
+    _nested(64),
+    _nested(65),
+    _nested(3000),  # deeper than json.dumps can recurse
+    DEEP_OK,
+    {"big": 10**40, "neg": -0.0, "unicode": "héllo ✓ \U0001f600", "ctl": "\t\n\x01"},
+]
+
+
+@pytest.mark.parametrize("value", VALUES, ids=range(len(VALUES)))
+def test_encode_answers_exactly_as_check(value):
+    try:
+        jsonguard.check(value, "requests[7]")
+        expected = None
+    except jsonguard.JSONGuardError as exc:
+        expected = (exc.code, exc.path, exc.message)
+    try:
+        data = jsonguard.encode(value, "requests[7]")
+    except jsonguard.JSONGuardError as exc:
+        assert (exc.code, exc.path, exc.message) == expected
+    else:
+        assert expected is None
+        assert b"\n" not in data
+        assert jsonguard.loads(data) == value
+
+
+def test_new_item_ids_are_uuid7_of_now_and_distinct():
+    ids = bulk._uuid7_strs(5000)
+    assert len(set(ids)) == 5000
+    now_ms = time.time_ns() // 1_000_000
+    for text in ids[:200]:
+        value = uuid.UUID(text)
+        assert str(value) == text
+        assert value.version == 7
+        assert value.variant == uuid.RFC_4122
+        assert abs((value.int >> 80) - now_ms) < 5000
+
+
+@pytest.mark.django_db
+def test_copy_new_items_writes_rows_and_escapes_text():
+    batch_id = uuid.uuid4()
+    rows = [(0, "file:b/input.jsonl#0:10", ""), (1, "db:b/in/1", "tab\there"), (2, "file:x\\y", "new\nline")]
+    with transaction.atomic():
+        assert bulk.copy_new_items(batch_id, iter(rows), max_attempts=7) == 3
+        got = list(
+            Item.objects.filter(batch_id=batch_id)
+            .order_by("idx")
+            .values_list("idx", "state", "input_ref", "custom_id", "max_attempts", "attempt", "finished_at")
+        )
+        transaction.set_rollback(True)  # the batch row was never made
+    assert got == [
+        (0, "available", "file:b/input.jsonl#0:10", "", 7, 0, None),
+        (1, "available", "db:b/in/1", "tab\there", 7, 0, None),
+        (2, "available", "file:x\\y", "new\nline", 7, 0, None),
+    ]
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("stream", [True, False])
+def test_an_error_raised_by_the_rows_comes_out_as_itself(stream):
+    batch_id = uuid.uuid4()
+
+    class Refused(Exception):
+        pass
+
+    def rows():
+        yield 0, "file:a", ""
+        yield 1, "file:b", ""
+        raise Refused("requests.2.custom_id: Duplicate custom_id")
+
+    with pytest.raises(Refused, match="Duplicate"), transaction.atomic():
+        bulk.copy_new_items(batch_id, rows(), max_attempts=3, stream=stream)
+    assert not Item.objects.filter(batch_id=batch_id).exists()
+
+
+def test_jsonl_chunks_are_the_elements_as_lines():
+    import io
+    import json
+
+    from batches import ingest
+
+    body = {"shape": "openai", "requests": [{"n": i, "text": "line\nbreak " * (i % 50)} for i in range(3000)]}
+    with ingest.read_submission(io.BytesIO(json.dumps(body).encode()), 10**8, 50_000) as sub:
+        lines = b"".join(e + b"\n" for e in sub.elements())
+        assert b"".join(sub.jsonl_chunks(size=4096)) == lines
+        assert [json.loads(x) for x in lines.splitlines()] == body["requests"]
+
+
+@pytest.mark.django_db
+def test_read_many_answers_as_read_does_ref_by_ref(tmp_path):
+    from django.test import override_settings
+
+    from batches import storage
+    from batches.models import Payload
+
+    with override_settings(RELAY_BATCH_PAYLOAD_DIR=str(tmp_path)):
+        ok = storage.write_result("b1", "i1", b'{"a": 1}')
+        big = storage.write_result("b1", "i2", b"x" * (3 << 20))
+        writer = storage.input_writer("b2")
+        span = writer.add(0, b'{"in": 0}')
+        writer.close()
+        Payload.objects.create(key="b3/out/i1", data=b'{"db": true}')
+        refs = [ok, "file:b1/results/missing.json", big, span, "db:b3/out/i1", "db:b3/out/nope", "weird:x", ok]
+        got = storage.read_many(refs)
+        for ref, value in zip(refs, got, strict=True):
+            try:
+                expected = storage.read(ref)
+            except storage.PayloadMissing as exc:
+                assert isinstance(value, storage.PayloadMissing), ref
+                assert str(value) == str(exc)
+            else:
+                assert value == expected, ref
