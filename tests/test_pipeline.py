@@ -1,5 +1,6 @@
 """The dispatch pipeline over real HTTP: relay (live server) → fake upstream (loopback)."""
 
+import threading
 import time
 
 import pytest
@@ -31,7 +32,14 @@ def relay(live_server, catalog):
                 wait_for_event(resp)
             return resp
 
-    return Client()
+    yield Client()
+    # A usage event is written after its answer is sent: let the live server finish every request
+    # (its handler threads end after the response's closers ran), so none lands in the next test.
+    httpd = live_server.thread.httpd
+    deadline = time.monotonic() + 10
+    for thread in threading.enumerate():
+        if getattr(getattr(thread, "_target", None), "__self__", None) is httpd:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
 def wait_for_event(resp) -> None:
