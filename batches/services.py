@@ -150,9 +150,10 @@ def worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{threading.get_ident()}"
 
 
-def claim(owner: str, floor: tuple | None = None) -> Item | None:
-    """Claim the next item, fairly: the active batch with the fewest running items first (lifecycle.claim)."""
-    return lifecycle.claim(owner, floor)
+def claim(owner: str, floor: tuple | None = None, check=None) -> Item | None:
+    """Claim the next item, fairly: the active batch with the fewest running items first (lifecycle.claim);
+    `check`: a batch whose completion the caller left to this claim (see `drain`)."""
+    return lifecycle.claim(owner, floor, check)
 
 
 # --- run ----------------------------------------------------------------------------
@@ -255,9 +256,10 @@ def _batch(batch_id) -> Batch:
     return batch
 
 
-def run_item(item: Item) -> None:
+def run_item(item: Item, *, check_done: bool = True) -> None:
     """Run one claimed item: to a final state, or back to `available` to wait or retry (batches/retrying.py).
-    Never raises for item-level failures."""
+    Never raises for item-level failures. `check_done=False`: a final state does not check the batch's
+    completion; the caller does (the drain, with its next claim)."""
     started_at, started = timezone.now(), time.monotonic()
     batch = _batch(item.batch_id)
     principal = auth.Principal.from_dict(batch.principal)
@@ -270,13 +272,20 @@ def run_item(item: Item) -> None:
         log.warning("item %s lost its lease; dropping this attempt's result", item.pk)
         return
     if hb.stop_reason == "cancelled" and (run.failure or (outcome and not outcome.ok)):
-        _finish(item, ItemState.CANCELLED, code=Code.BATCH_CANCELLED, error=lifecycle.CANCELLED_ERROR, run=run)
+        _finish(
+            item,
+            ItemState.CANCELLED,
+            code=Code.BATCH_CANCELLED,
+            error=lifecycle.CANCELLED_ERROR,
+            run=run,
+            check_done=check_done,
+        )
         return
     if run.failure is not None:
         code, error, error_body = run.code, run.failure, ""
     elif outcome.ok:
         ref = storage.write_result(str(batch.id), str(item.pk), outcome.body)
-        _finish(item, ItemState.COMPLETED, run=run, result_ref=ref)
+        _finish(item, ItemState.COMPLETED, run=run, check_done=check_done, result_ref=ref)
         return
     elif outcome.origin == "upstream":
         code, error = Code.UPSTREAM_ERROR, f"batch item: upstream status {outcome.status}"
@@ -288,7 +297,9 @@ def run_item(item: Item) -> None:
     status = outcome.status if outcome is not None and outcome.origin == "upstream" else None
     decision = retrying.decide(batch, item, code, status, outcome.retry_after if outcome is not None else None)
     if decision.action == retrying.FINISH:
-        _finish(item, ItemState.DISCARDED, code=code, error=error, run=run, error_body=error_body)
+        _finish(
+            item, ItemState.DISCARDED, code=code, error=error, run=run, check_done=check_done, error_body=error_body
+        )
         return
     not_before = timezone.now() + timezone.timedelta(seconds=decision.delay)
     # A wait decided before any provider was called (the policy's own limit, every key benched) is no attempt.
@@ -401,7 +412,9 @@ def _checked(outcome: pipeline.Outcome) -> _Run:
     return _Run(outcome=outcome)
 
 
-def _finish(item: Item, state: str, *, run: _Run, code: str = "", error: str = "", **fields) -> bool:
+def _finish(
+    item: Item, state: str, *, run: _Run, code: str = "", error: str = "", check_done: bool = True, **fields
+) -> bool:
     """The item's final write and its usage event(s), in one transaction, fenced on the claim."""
     outcome = run.outcome
     batch = _batch(item.batch_id)
@@ -429,6 +442,7 @@ def _finish(item: Item, state: str, *, run: _Run, code: str = "", error: str = "
         status_code=outcome.status if outcome is not None and outcome.origin == "upstream" else None,
         error=error[:1000],
         error_code=code,
+        check_done=check_done,
         **fields,
     )
 
@@ -581,21 +595,27 @@ def drain(max_items: int = 50, max_seconds: float = 120.0) -> int:
     """
     owner = f"{worker_id()}:{uuid.uuid4().hex[:8]}"
     started, done, floor = time.monotonic(), 0, None
+    # The batch of the item just run, whose completion is checked by the next claim (one statement fewer
+    # per item than a check of its own after each finish), or below when the drain ends.
+    check = None
     while done < max_items and time.monotonic() - started < max_seconds:
         try:
-            item = claim(owner, floor)
+            item = claim(owner, floor, check)
         except DATABASE_ERRORS:
             # The database went away (a restart): give the slot back; the next sweep or wake-up resumes.
+            # (A completion check left unmade is the sweeper's: `unfinished_batches`.)
             log.warning("claim failed: the database is unavailable", exc_info=True)
             connection.close()
             return done
+        check = None
         if item is None:
             return done
         if done == 0:
             lifecycle.pass_on()  # there is work: wake one more slot, on whichever worker is idle
         floor = (item.batch_id, item.idx)
+        check = item.batch_id
         try:
-            run_item(item)
+            run_item(item, check_done=False)
         except DATABASE_ERRORS:
             # Mid-item (not while finishing: that retries by itself). Hand the item back rather than
             # leave it running until its lease runs out; this claim never called out or was not recorded.
@@ -603,5 +623,7 @@ def drain(max_items: int = 50, max_seconds: float = 120.0) -> int:
             connection.close()
             lifecycle.release_item(item, timezone.now(), _nothing, counts=False, pause_batch=False)
         done += 1
+    if check is not None:
+        lifecycle.complete_if_done(check)
     lifecycle.wake_workers(known_work=True)  # the budget ended with work left: hand the slot over
     return done
