@@ -41,6 +41,7 @@ importing `batches.tasks`, so nothing in `batches/` imports in a circle.
 """
 
 import logging
+import os
 import time
 import weakref
 from collections.abc import Callable, Iterable
@@ -338,6 +339,18 @@ _CLAIM_STATEMENTS = {
     _CLAIM_IN_BATCH_SQL: ("relay_claim_in_batch", *_prepared("relay_claim_in_batch", _CLAIM_IN_BATCH_SQL)),
 }
 _item_columns: tuple | None = None
+
+
+def warm_up() -> None:
+    """Connect, and prepare the claim statements on that connection (a worker process's start)."""
+    if connection.vendor != "postgresql":
+        return
+    with connection.cursor() as cursor:
+        prepared = _prepared_on.setdefault(connection.connection, set())
+        for name, prepare, _ in _CLAIM_STATEMENTS.values():
+            if name not in prepared:
+                cursor.execute(prepare)
+                prepared.add(name)
 
 
 def _claim_one(sql: str, params: dict) -> tuple[Item | None, bool]:
@@ -860,12 +873,56 @@ def redispatch(task: str, batch_id) -> None:
         hand_off(task, batch_id)
 
 
+_broker_clients: dict = {}
+
+
+def _broker_redis():
+    """A plain client on a Redis broker, with kombu's queue key names ((client, key names of a queue)),
+    or None when the broker is something else (then the broker's own connection is asked)."""
+    from relay.celery import app
+
+    url = app.conf.broker_url or ""
+    pid = os.getpid()
+    hit = _broker_clients.get(url)
+    if hit is not None and hit[0] == pid:
+        return hit[1:]
+    if not url.startswith(("redis://", "rediss://")):
+        return None
+    import redis
+    from kombu.transport.redis import PRIORITY_STEPS, Channel
+
+    options = app.conf.broker_transport_options or {}
+    prefix, steps = options.get("global_keyprefix", ""), options.get("priority_steps", PRIORITY_STEPS)
+
+    def keys(queue: str) -> list[str]:  # kombu.transport.redis.Channel._q_for_pri over every step
+        return [prefix + (f"{queue}{Channel.sep}{pri}" if pri else queue) for pri in steps]
+
+    client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
+    _broker_clients[url] = (pid, client, keys)
+    return client, keys
+
+
 def queue_length(queue: str) -> int | None:
-    """Messages waiting in a broker queue, read over the broker's own connection (None if unreachable)."""
+    """Messages waiting in a broker queue (None if unreachable). On a Redis broker: one pipelined LLEN
+    per priority key, what kombu's own queue_declare(passive=True) reads, without a pooled broker
+    connection and channel per call (measured 3.3 ms of CPU and 6 ms per call that way; 0.08 ms so)."""
     from kombu.exceptions import ChannelError
 
     from relay.celery import app
 
+    direct = _broker_redis()
+    if direct is not None:
+        import redis
+
+        client, keys = direct
+        try:
+            pipe = client.pipeline(transaction=False)
+            for key in keys(queue):
+                pipe.llen(key)
+            return sum(pipe.execute())
+        except redis.RedisError:  # the broker is down: the sweeper will try again
+            log.warning("could not read the length of queue %s", queue, exc_info=True)
+            return None
     try:
         with app.connection_or_acquire() as conn:
             return conn.default_channel.queue_declare(queue=queue, passive=True).message_count

@@ -108,3 +108,42 @@ def test_a_drain_that_finds_work_passes_one_wake_up_on(catalog):
     finally:
         with app.connection_or_acquire() as conn:
             conn.default_channel.queue_purge(lifecycle.ITEM_QUEUE)
+
+
+def test_queue_length_reads_what_the_broker_holds_at_every_priority(catalog):
+    """queue_length reads a Redis broker's keys directly: it must count what kombu's own passive
+    queue_declare counts, a message sent with a priority (another key) included."""
+    from relay.celery import app
+
+    queue = "test-queue-length"
+    with app.connection_or_acquire() as conn:
+        conn.default_channel.queue_purge(queue)
+    try:
+        assert lifecycle.queue_length(queue) == 0
+        app.send_task("batches.tasks.run_items", queue=queue)
+        app.send_task("batches.tasks.run_items", queue=queue, priority=5)
+        with app.connection_or_acquire() as conn:
+            kombu_count = conn.default_channel.queue_declare(queue=queue, passive=True).message_count
+        assert lifecycle.queue_length(queue) == kombu_count == 2
+    finally:
+        with app.connection_or_acquire() as conn:
+            conn.default_channel.queue_purge(queue)
+
+
+def test_a_worker_process_warms_up_before_its_first_item(catalog, monkeypatch):
+    """services.warm_up (each Celery pool process, at start): the claim statements are prepared on the
+    process's connection; a step that fails is logged and left to the first item, never raised."""
+    from django.db import connection
+
+    from batches import services
+
+    native_batch(catalog, 1)
+    services.warm_up()
+    assert {"relay_claim_fairest", "relay_claim_in_batch"} <= lifecycle._prepared_on[connection.connection]
+    assert lifecycle.claim("warm").idx == 0
+
+    def down():
+        raise OSError("database down")
+
+    monkeypatch.setattr(lifecycle, "warm_up", down)
+    services.warm_up()
