@@ -461,7 +461,7 @@ def _finish(
     outcome = run.outcome
     batch = _batch(item.batch_id)
 
-    attempt = _attempt(
+    attempt = _attempt_fields(
         item, run, "finish", code=code, error=error, error_body=fields.get("error_body", ""), always=True
     )
 
@@ -476,7 +476,7 @@ def _finish(
             last["error_kind"] = code
             last["error_message"] = error[:500]
     # One statement: the fenced finish, the attempt row and the usage event(s), committed together.
-    rows = [lifecycle.model_row(attempt), *(event_row(connection, **event) for event in events)]
+    rows = [lifecycle.fields_row(Attempt, attempt), *(event_row(connection, **event) for event in events)]
     return lifecycle.finish_item_at_once(
         item,
         state,
@@ -491,6 +491,12 @@ def _finish(
 
 def _attempt(item: Item, run: _Run, decision: str, *, code: str, error: str, error_body: str = "", always=False):
     """The Attempt row of this claim; None for one that never reached a provider, unless `always`."""
+    fields = _attempt_fields(item, run, decision, code=code, error=error, error_body=error_body, always=always)
+    return Attempt(**fields) if fields is not None else None
+
+
+def _attempt_fields(item: Item, run: _Run, decision: str, *, code: str, error: str, error_body: str, always=False):
+    """`_attempt`'s field values (no model instance: the finish writes them as a row of its statement)."""
     event = run.outcome.event if run.outcome is not None else None
     if event is None and run.events:
         event = run.events[-1]
@@ -500,19 +506,19 @@ def _attempt(item: Item, run: _Run, decision: str, *, code: str, error: str, err
     now = timezone.now()
     started = run.started_at or now
     status = run.outcome.status if run.outcome is not None and run.outcome.origin == "upstream" else None
-    return Attempt(
-        item_id=item.pk,
-        number=item.attempt,
-        started_at=started,
-        finished_at=now,
-        duration_ms=max(0, int((now - started).total_seconds() * 1000)),
-        outcome=code or "completed",
-        decision=decision,
-        status_code=status,
-        host_key_id=event.get("host_key_id") if event else None,
-        error=error[:1000],
-        error_body=error_body,
-    )
+    return {
+        "item_id": item.pk,
+        "number": item.attempt,
+        "started_at": started,
+        "finished_at": now,
+        "duration_ms": max(0, int((now - started).total_seconds() * 1000)),
+        "outcome": code or "completed",
+        "decision": decision,
+        "status_code": status,
+        "host_key_id": event.get("host_key_id") if event else None,
+        "error": error[:1000],
+        "error_body": error_body,
+    }
 
 
 def _event_without_dispatch(batch: Batch, item_id, code: str, error: str) -> dict:
