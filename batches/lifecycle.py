@@ -254,8 +254,11 @@ SELECT {pending} AS pending, claimed.* FROM (SELECT 1) AS one LEFT JOIN claimed 
 # statement) still have an item available or running? The completion check of that finish, made by the
 # next claim rather than by a statement of its own; as race-free as the separate check (it reads a
 # snapshot taken after that finish committed; an item this statement claims counts as pending). Always
-# one row: the claimed item's columns are NULL when nothing was claimed.
-_CHECK_PENDING = """(%(check)s::uuid IS NULL
+# one row: the claimed item's columns are NULL when nothing was claimed. The usual case (the claim took
+# the next item of that same batch) answers without a probe: PostgreSQL evaluates OR from the left and
+# runs a sub-select only when reached, so the probes (which walk index entries of rows that left the
+# state, until a vacuum) run only when the drain moves to another batch or finds nothing.
+_CHECK_PENDING = """(%(check)s::uuid IS NULL OR claimed.batch_id = %(check)s::uuid
     OR EXISTS (SELECT 1 FROM batches_item WHERE batch_id = %(check)s::uuid AND state = 'running')
     OR (SELECT idx FROM batches_item WHERE batch_id = %(check)s::uuid AND state = 'available'
         ORDER BY idx LIMIT 1) IS NOT NULL)"""
