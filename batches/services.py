@@ -227,6 +227,16 @@ class Heartbeat:
 
     def beat(self) -> None:
         lease = timezone.now() + timezone.timedelta(seconds=settings.RELAY_BATCH_LEASE_SECONDS)
+        if connection.vendor == "postgresql":
+            item = self.item
+            with connection.cursor() as cursor:
+                cursor.execute(_BEAT_SQL, [lease, item.pk, item.lease_owner, item.attempt])
+                row = cursor.fetchone()
+            if row is None:
+                self.stop_reason = "lease_lost"
+            elif row[0]:
+                self.stop_reason = "cancelled"
+            return
         renewed = Item.objects.filter(
             pk=self.item.pk, state=ItemState.RUNNING, lease_owner=self.item.lease_owner, attempt=self.item.attempt
         ).update(lease_expires_at=lease)
@@ -234,6 +244,16 @@ class Heartbeat:
             self.stop_reason = "lease_lost"
         elif Batch.objects.filter(pk=self.item.batch_id, cancel_requested_at__isnull=False).exists():
             self.stop_reason = "cancelled"
+
+
+# One statement per beat: renew the lease, fenced on the claim, and read the batch's cancel flag (no row:
+# the lease was lost). Was an ORM UPDATE and an ORM EXISTS, compiled at every beat: 3% of the worker's
+# samples at 100 ms upstream latency.
+_BEAT_SQL = """
+UPDATE batches_item i SET lease_expires_at = %s
+WHERE i.id = %s AND i.state = 'running' AND i.lease_owner = %s AND i.attempt = %s
+RETURNING (SELECT b.cancel_requested_at IS NOT NULL FROM batches_batch b WHERE b.id = i.batch_id)
+"""
 
 
 class _Beater:

@@ -147,3 +147,27 @@ def test_a_worker_process_warms_up_before_its_first_item(catalog, monkeypatch):
 
     monkeypatch.setattr(lifecycle, "warm_up", down)
     services.warm_up()
+
+
+def test_a_heartbeat_renews_the_lease_and_reads_cancel_in_one_statement(catalog):
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    batch = native_batch(catalog, 2)
+    item = lifecycle.claim("beater")
+    before = Item.objects.get(pk=item.pk).lease_expires_at
+    hb = services.Heartbeat(item)
+    with CaptureQueriesContext(connection) as ctx:
+        hb.beat()
+    assert len(ctx.captured_queries) == 1 and hb.stop_reason is None
+    assert Item.objects.get(pk=item.pk).lease_expires_at >= before
+
+    Batch.objects.filter(pk=batch.pk).update(cancel_requested_at=timezone.now())
+    hb.beat()
+    assert hb.stop_reason == "cancelled"
+
+    other = lifecycle.claim("beater")
+    Item.objects.filter(pk=other.pk).update(lease_owner="someone-else")  # the sweeper gave it away
+    lost = services.Heartbeat(other)
+    lost.beat()
+    assert lost.stop_reason == "lease_lost"
