@@ -171,3 +171,20 @@ def test_a_heartbeat_renews_the_lease_and_reads_cancel_in_one_statement(catalog)
     lost = services.Heartbeat(other)
     lost.beat()
     assert lost.stop_reason == "lease_lost"
+
+
+def test_the_claim_walks_item_available_in_idx_order_whatever_the_statistics(catalog):
+    """The prepared claim is planned without a sort of the batch's items: on stale statistics (no ANALYZE
+    since the items were written, autovacuum off) a planner left to itself reads every available item
+    of the batch through item_batch_state and sorts them at every claim."""
+    from django.db import connection
+
+    batch = native_batch(catalog, 300)
+    lifecycle.warm_up()
+    _, _, execute = lifecycle._CLAIM_STATEMENTS[lifecycle._CLAIM_FAIREST_SQL]
+    now = timezone.now()
+    params = {"owner": "x", "now": now, "lease": now, "floor_batch": batch.pk, "floor": 10, "check": batch.pk}
+    with connection.cursor() as cursor:
+        cursor.execute("EXPLAIN " + execute, params)
+        plan = "\n".join(row[0] for row in cursor.fetchall())
+    assert "Index Scan using item_available" in plan and "item_batch_state" not in plan, plan
