@@ -305,7 +305,9 @@ def fetch_status(web: harness.Web, key: str, batch_id: str) -> dict:
     return {"seconds": elapsed, "bytes": len(resp.content), "body": body, "mem": mem.summary()}
 
 
-def throughput(web, key, upstream, tmp: Path, n: int, latency_ms: float, item_bytes: int, cpu_groups: dict) -> dict:
+def throughput(
+    web, key, upstream, tmp: Path, n: int, latency_ms: float, item_bytes: int, cpu_groups: dict, slots: int = SLOTS
+) -> dict:
     from django.db.models import Max, Min
 
     from batches.models import Item
@@ -322,6 +324,9 @@ def throughput(web, key, upstream, tmp: Path, n: int, latency_ms: float, item_by
     status = fetch_status(web, key, sub["id"])["body"]
     span = Item.objects.filter(batch_id=sub["id"]).aggregate(first=Min("started_at"), last=Max("finished_at"))
     first, last = span["first"].timestamp(), span["last"].timestamp()
+    # When every slot had started an item: the slots-th earliest start (an item's last attempt's start).
+    starts = Item.objects.filter(batch_id=sub["id"]).order_by("started_at").values_list("started_at", flat=True)
+    fill = starts[min(slots, n) - 1].timestamp() - sub["t202"]
     elapsed = _iso_ts(status["CompletedAt"]) - sub["t202"]
     stats = upstream.stats()
     return {
@@ -332,6 +337,7 @@ def throughput(web, key, upstream, tmp: Path, n: int, latency_ms: float, item_by
         "rate": n / elapsed,
         "steady_rate": n / (last - first) if last > first else float("nan"),
         "first_start_s": first - sub["t202"],
+        "fill_s": fill,
         "ceiling": SLOTS / (latency_ms / 1000) if latency_ms else None,
         "counts": status["counts"],
         "status": status["Status"],
@@ -410,7 +416,7 @@ def scale_out(stack, web, key, upstream, n: int, latency_ms: float, workers: int
         started.append(stack.start_worker(name=f"bench{i + 1}", beat=False))
     procs["workers"] = started
     try:
-        t = throughput(web, key, upstream, stack.tmp, n, latency_ms, item_bytes, {})
+        t = throughput(web, key, upstream, stack.tmp, n, latency_ms, item_bytes, {}, slots=workers * SLOTS)
     finally:
         for w in started:
             w.stop()
@@ -649,7 +655,8 @@ def print_report(r: dict) -> None:
         print(
             f"e. scale-out, {sc['workers']} worker(s) x {SLOTS} slots at {sc['tp']['latency_ms']:g} ms, "
             f"{sc['tp']['n']:,} items: {sc['rate']:.2f} items/s = {sc['ratio']:.2f} of {sc['ideal']:.0f} items/s "
-            f"(target >= 0.95); at most {sc['tp']['upstream_max_in_flight']} in flight upstream"
+            f"(target >= 0.95); at most {sc['tp']['upstream_max_in_flight']} in flight upstream; all "
+            f"{sc['workers'] * SLOTS} slots busy {sc['tp']['fill_s']:.2f} s after the 202"
         )
     if "rl" in r:
         rl = r["rl"]

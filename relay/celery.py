@@ -2,10 +2,25 @@
 
 import os
 
-from celery import Celery
+from celery import Celery, signals
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "relay.settings")
 
 app = Celery("relay")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()
+
+
+@signals.worker_init.connect
+def _after_django_fixup(**kwargs) -> None:
+    # Connected here, in the worker's parent, so it runs after Celery's Django fixup's own
+    # worker_process_init receiver (which closes every database connection a pool process inherits).
+    signals.worker_process_init.connect(_warm_up, weak=False, dispatch_uid="relay.celery.warm_up")
+
+
+def _warm_up(**kwargs) -> None:
+    """Each pool process connects and loads what every item needs before it takes its first task
+    (batches.services.warm_up), not during it; the worker reports ready once its processes are up."""
+    from batches import services
+
+    services.warm_up()

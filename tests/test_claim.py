@@ -108,3 +108,83 @@ def test_a_drain_that_finds_work_passes_one_wake_up_on(catalog):
     finally:
         with app.connection_or_acquire() as conn:
             conn.default_channel.queue_purge(lifecycle.ITEM_QUEUE)
+
+
+def test_queue_length_reads_what_the_broker_holds_at_every_priority(catalog):
+    """queue_length reads a Redis broker's keys directly: it must count what kombu's own passive
+    queue_declare counts, a message sent with a priority (another key) included."""
+    from relay.celery import app
+
+    queue = "test-queue-length"
+    with app.connection_or_acquire() as conn:
+        conn.default_channel.queue_purge(queue)
+    try:
+        assert lifecycle.queue_length(queue) == 0
+        app.send_task("batches.tasks.run_items", queue=queue)
+        app.send_task("batches.tasks.run_items", queue=queue, priority=5)
+        with app.connection_or_acquire() as conn:
+            kombu_count = conn.default_channel.queue_declare(queue=queue, passive=True).message_count
+        assert lifecycle.queue_length(queue) == kombu_count == 2
+    finally:
+        with app.connection_or_acquire() as conn:
+            conn.default_channel.queue_purge(queue)
+
+
+def test_a_worker_process_warms_up_before_its_first_item(catalog, monkeypatch):
+    """services.warm_up (each Celery pool process, at start): the claim statements are prepared on the
+    process's connection; a step that fails is logged and left to the first item, never raised."""
+    from django.db import connection
+
+    from batches import services
+
+    native_batch(catalog, 1)
+    services.warm_up()
+    assert {"relay_claim_fairest", "relay_claim_in_batch"} <= lifecycle._prepared_on[connection.connection]
+    assert lifecycle.claim("warm").idx == 0
+
+    def down():
+        raise OSError("database down")
+
+    monkeypatch.setattr(lifecycle, "warm_up", down)
+    services.warm_up()
+
+
+def test_a_heartbeat_renews_the_lease_and_reads_cancel_in_one_statement(catalog):
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    batch = native_batch(catalog, 2)
+    item = lifecycle.claim("beater")
+    before = Item.objects.get(pk=item.pk).lease_expires_at
+    hb = services.Heartbeat(item)
+    with CaptureQueriesContext(connection) as ctx:
+        hb.beat()
+    assert len(ctx.captured_queries) == 1 and hb.stop_reason is None
+    assert Item.objects.get(pk=item.pk).lease_expires_at >= before
+
+    Batch.objects.filter(pk=batch.pk).update(cancel_requested_at=timezone.now())
+    hb.beat()
+    assert hb.stop_reason == "cancelled"
+
+    other = lifecycle.claim("beater")
+    Item.objects.filter(pk=other.pk).update(lease_owner="someone-else")  # the sweeper gave it away
+    lost = services.Heartbeat(other)
+    lost.beat()
+    assert lost.stop_reason == "lease_lost"
+
+
+def test_the_claim_walks_item_available_in_idx_order_whatever_the_statistics(catalog):
+    """The prepared claim is planned without a sort of the batch's items: on stale statistics (no ANALYZE
+    since the items were written, autovacuum off) a planner left to itself reads every available item
+    of the batch through item_batch_state and sorts them at every claim."""
+    from django.db import connection
+
+    batch = native_batch(catalog, 300)
+    lifecycle.warm_up()
+    _, _, execute = lifecycle._CLAIM_STATEMENTS[lifecycle._CLAIM_FAIREST_SQL]
+    now = timezone.now()
+    params = {"owner": "x", "now": now, "lease": now, "floor_batch": batch.pk, "floor": 10, "check": batch.pk}
+    with connection.cursor() as cursor:
+        cursor.execute("EXPLAIN " + execute, params)
+        plan = "\n".join(row[0] for row in cursor.fetchall())
+    assert "Index Scan using item_available" in plan and "item_batch_state" not in plan, plan

@@ -34,6 +34,9 @@ LIVE_REQUEST_REDIS = 2
 # 14 before the catalog cache; 12 with the attempt row; issue 11: the claim in one statement (-2),
 # the finish with its attempt row and usage event in one statement (-4: no BEGIN/COMMIT round trips)
 BATCH_ITEM_RUN = 6
+# The drain's steady state, per item: claim (which also makes the previous finish's completion check),
+# the relay key's recheck, the finish. 4 before the drain left the completion check to its next claim.
+DRAIN_PER_ITEM = 3
 # Each one statement less since the relay key's row is cached with the catalog (issue 11).
 OPENAI_LIST_PAGE = 2
 OPENAI_RETRIEVE = 2
@@ -113,6 +116,22 @@ def test_one_batch_item_run(catalog, fake):
     services.run_item(services.claim("warm"))
     n = count(lambda: services.run_item(services.claim("test-runner")))
     assert n == BATCH_ITEM_RUN
+
+
+@runs_items
+def test_the_drain_per_item(catalog, fake, monkeypatch):
+    from batches import lifecycle
+
+    monkeypatch.setattr(lifecycle, "pass_on", lambda: False)  # Redis only; keep no wake-up queued
+    monkeypatch.setattr(lifecycle, "wake_workers", lambda known_work=False: 0)
+    batch = native_batch(catalog, n=12)
+    services.drain(max_items=1)  # warm: first-use caches are not what is pinned
+    three = count(lambda: services.drain(max_items=3))
+    six = count(lambda: services.drain(max_items=6))
+    assert (six - three) / 3 == DRAIN_PER_ITEM
+    assert services.drain() == 2  # the last two, then the claim that finds none completes the batch
+    batch.refresh_from_db()
+    assert batch.status == "completed"
 
 
 def test_openai_list_is_one_query_per_page_whatever_its_size(client, catalog):
