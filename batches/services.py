@@ -382,11 +382,13 @@ class _Run:
 
 
 def _execute(batch: Batch, item: Item, principal, deadline: float, hb: Heartbeat) -> _Run:
+    # One read of the catalog generation for the credential and the policy; the key pick confirms it.
+    snapshot = catalog.current()
     try:
-        auth.recheck(principal)
+        auth.recheck(principal, snapshot)
     except RelayError as exc:  # AuthError, or the token's project is gone
         return _Run(failure=f"batch: credential no longer valid: {exc.message}", code=Code.CREDENTIAL_INVALID)
-    policy = catalog.policy(batch.policy_id) if batch.policy_id else None
+    policy = catalog.policy(batch.policy_id, snapshot) if batch.policy_id else None
     if policy is None or not policy.enabled:
         return _Run(failure="batch: policy_unavailable", code=Code.POLICY_UNAVAILABLE)
     try:

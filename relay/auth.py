@@ -355,10 +355,28 @@ def _key_state(key_id: int) -> dict | None:
     return key
 
 
-def recheck(principal: Principal) -> None:
-    """Raise AuthError if the credential stopped working since the principal was made."""
+_GONE = object()
+
+
+def _cached_key_state(key_id: int, snapshot) -> dict | None:
+    """`_key_state` kept in the catalog snapshot (relay.catalog): relay keys' writes bump it. A key
+    that is gone stays gone (ids are never reused), so that answer is kept too."""
+    if snapshot is None:
+        return _key_state(key_id)
+    state = snapshot.relay_keys.get(("state", key_id))
+    if state is None:
+        state = _key_state(key_id)
+        snapshot.relay_keys[("state", key_id)] = _GONE if state is None else state
+    return None if state is _GONE else state
+
+
+def recheck(principal: Principal, snapshot=_CURRENT) -> None:
+    """Raise AuthError if the credential stopped working since the principal was made. A relay key's
+    state comes from `snapshot` (by default the catalog snapshot current in Redis), so a batch item
+    re-checks its credential without a query while nothing was written."""
     if principal.credential_kind == "key":
-        key = _key_state(int(principal.credential_id))
+        snap = catalog.current() if snapshot is _CURRENT else snapshot
+        key = _cached_key_state(int(principal.credential_id), snap)
         if key is None:
             raise AuthError("api key revoked")
         if key["key_hash"] != principal.key_hash:

@@ -32,11 +32,13 @@ LIVE_REQUEST = 1
 # quota moved into the pick (issue 11).
 LIVE_REQUEST_REDIS = 2
 # 14 before the catalog cache; 12 with the attempt row; issue 11: the claim in one statement (-2),
-# the finish with its attempt row and usage event in one statement (-4: no BEGIN/COMMIT round trips)
-BATCH_ITEM_RUN = 6
-# The drain's steady state, per item: claim (which also makes the previous finish's completion check),
-# the relay key's recheck, the finish. 4 before the drain left the completion check to its next claim.
-DRAIN_PER_ITEM = 3
+# the finish with its attempt row and usage event in one statement (-4: no BEGIN/COMMIT round trips),
+# the relay key's recheck from the catalog cache (-1)
+BATCH_ITEM_RUN = 5
+# The drain's steady state, per item: claim (which also makes the previous finish's completion check)
+# and the finish. 4 before the drain left the completion check to its next claim, 3 before the relay
+# key's recheck came from the catalog cache.
+DRAIN_PER_ITEM = 2
 # Each one statement less since the relay key's row is cached with the catalog (issue 11).
 OPENAI_LIST_PAGE = 2
 OPENAI_RETRIEVE = 2
