@@ -425,7 +425,9 @@ def scale_out(stack, web, key, upstream, n: int, latency_ms: float, workers: int
     return {"workers": workers, "rate": t["rate"], "ideal": ideal, "ratio": t["rate"] / ideal, "tp": t}
 
 
-def rate_limited_drain(web, key, upstream, tmp: Path, n: int, latency_ms: float, key_rps: float) -> dict:
+def rate_limited_drain(
+    web, key, upstream, tmp: Path, n: int, latency_ms: float, key_rps: float, limit_headers: bool = True
+) -> dict:
     """An OpenAI-compatible batch (inline `requests`) for the model whose two host keys the fake
     upstream limits to `key_rps` requests/s each (429 + Retry-After beyond). The drain rate is the
     items that completed with 200 divided by the time from the create's answer to the batch's
@@ -438,7 +440,8 @@ def rate_limited_drain(web, key, upstream, tmp: Path, n: int, latency_ms: float,
     from batches.models import Batch, Item
 
     upstream.configure(latency_ms)
-    requests.post(f"{upstream.url}/_bench/config", json={"key_rps": key_rps}, timeout=10).raise_for_status()
+    config = {"key_rps": key_rps, "limit_headers": limit_headers}
+    requests.post(f"{upstream.url}/_bench/config", json=config, timeout=10).raise_for_status()
     upstream.reset_stats()
     records = [
         {
@@ -473,6 +476,7 @@ def rate_limited_drain(web, key, upstream, tmp: Path, n: int, latency_ms: float,
     return {
         "n": n,
         "key_rps": key_rps,
+        "limit_headers": limit_headers,
         "limit": limit,
         "ok": n_ok,
         "rate": rate,
@@ -498,6 +502,7 @@ def run() -> dict:
     scale_workers = [int(x) for x in (os.environ.get("BENCH_SCALE_WORKERS") or "1,2,3").split(",") if x.strip()]
     rl_n = env_int("BENCH_RL_ITEMS", 200)
     rl_rps = env_float("BENCH_RL_KEY_RPS", 5)
+    rl_headers = os.environ.get("BENCH_RL_LIMIT_HEADERS", "1") != "0"
     via_worker = os.environ.get("BENCH_RESULTS_VIA_WORKER") == "1"
     only_io = os.environ.get("BENCH_ONLY_IO") == "1"
     started = time.monotonic()
@@ -570,7 +575,7 @@ def run() -> dict:
                 r["tp_large"] = throughput(web, key, upstream, stack.tmp, large_n, latency, item_bytes, cpu_groups)
             if rl_n > 0:
                 log(f"f. rate-limited provider: {rl_n} items, 2 keys x {rl_rps:g} req/s (429 + Retry-After beyond)")
-                r["rl"] = rate_limited_drain(web, key, upstream, stack.tmp, rl_n, latency, rl_rps)
+                r["rl"] = rate_limited_drain(web, key, upstream, stack.tmp, rl_n, latency, rl_rps, rl_headers)
             worker.stop()
             procs.pop("worker")
 
@@ -664,7 +669,8 @@ def print_report(r: dict) -> None:
             print(f"f. rate-limited provider: {rl['skipped']}")
         else:
             print(
-                f"f. rate-limited provider (2 keys x {rl['key_rps']:g} req/s, 429 + Retry-After beyond), "
+                f"f. rate-limited provider (2 keys x {rl['key_rps']:g} req/s, 429 + Retry-After beyond, "
+                f"{'with' if rl.get('limit_headers', True) else 'without'} x-ratelimit headers), "
                 f"{rl['n']} items (OpenAI-compatible surface): {rl['ok']} of {rl['n']} completed with 200, batch done "
                 f"in {rl['seconds']:.1f} s: drain {rl['rate']:.2f} items/s = {rl['fraction']:.2f} of the "
                 f"{rl['limit']:g} items/s limit (time counted as at least n / limit)"

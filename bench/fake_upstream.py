@@ -12,7 +12,10 @@ Differences from the plain demo upstream, all for benchmarking:
 - per-key rate limiting, like a provider's tier: a key whose value starts with `sk-bench-rl-` may make
   `key_rps` requests per second (sliding 1 s window, default 5; `--key-rps`, or POST /_bench/config
   {"key_rps": 5}); beyond that it gets 429 with `Retry-After` (whole seconds, at least 1) and an
-  OpenAI-style `rate_limit_exceeded` error body, as OpenAI answers. Other keys are never limited.
+  OpenAI-style `rate_limit_exceeded` error body, as OpenAI answers. Every answer to such a key carries
+  OpenAI's `x-ratelimit-{limit,remaining,reset}-requests` headers, as OpenAI's do (`--no-limit-headers`,
+  or POST /_bench/config {"limit_headers": false}, leaves them out: a provider that says nothing until
+  its 429). Other keys are never limited.
 It stays a ThreadingHTTPServer (one thread per connection), like the suite's fake.
 """
 
@@ -32,8 +35,11 @@ LIMITED_PREFIX = "sk-bench-rl-"
 class BenchUpstream(DemoUpstream):
     request_queue_size = 512
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, delay: float = 0.0, key_rps: float = 5.0):
+    def __init__(
+        self, host: str = "127.0.0.1", port: int = 0, delay: float = 0.0, key_rps: float = 5.0, limit_headers=True
+    ):
         super().__init__(host, port)
+        self.limit_headers = limit_headers
         self.RequestHandlerClass = _BenchHandler
         self.delay = delay
         self.received = deque(maxlen=0)  # appends are dropped: constant memory
@@ -46,12 +52,14 @@ class BenchUpstream(DemoUpstream):
         with self.lock:
             self.count += 1
             if key.startswith(LIMITED_PREFIX):
-                wait = self._over_limit(key, time.monotonic())
+                now = time.monotonic()
+                wait = self._over_limit(key, now)
+                headers = self._limit_headers(key, now)
                 if wait is not None:
                     self.rate_limited += 1
                     return Reply(
                         status=429,
-                        headers={"Retry-After": max(1, math.ceil(wait))},
+                        headers={**headers, "Retry-After": max(1, math.ceil(wait))},
                         body={
                             "error": {
                                 "message": f"Rate limit reached: {self.key_rps:g} requests per second per key.",
@@ -60,7 +68,20 @@ class BenchUpstream(DemoUpstream):
                             }
                         },
                     )
+                return Reply(delay=self.delay, headers=headers)
         return Reply(delay=self.delay)
+
+    def _limit_headers(self, key: str, now: float) -> dict:
+        """OpenAI's request-quota headers for the key's sliding window (called with the lock held)."""
+        if not self.limit_headers:
+            return {}
+        times = self.accepted_at.get(key) or deque()
+        reset_ms = max(1, math.ceil(((times[0] + 1.0 - now) if times else 1.0) * 1000))
+        return {
+            "x-ratelimit-limit-requests": f"{self.key_rps:g}",
+            "x-ratelimit-remaining-requests": str(max(0, int(self.key_rps) - len(times))),
+            "x-ratelimit-reset-requests": f"{reset_ms}ms",
+        }
 
     def _over_limit(self, key: str, now: float) -> float | None:
         """Sliding 1 s window of accepted requests per key (called with the lock held)."""
@@ -108,7 +129,10 @@ class _BenchHandler(_Handler):
         if self.path == "/_bench/config":
             srv.delay = float(body.get("delay_ms", srv.delay * 1000)) / 1000.0
             srv.key_rps = float(body.get("key_rps", srv.key_rps))
-            return self._json(200, {"delay_ms": srv.delay * 1000, "key_rps": srv.key_rps})
+            srv.limit_headers = bool(body.get("limit_headers", srv.limit_headers))
+            return self._json(
+                200, {"delay_ms": srv.delay * 1000, "key_rps": srv.key_rps, "limit_headers": srv.limit_headers}
+            )
         if self.path == "/_bench/reset":
             with srv.lock:
                 srv.count = 0
@@ -124,8 +148,11 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--delay-ms", type=float, default=0.0)
     parser.add_argument("--key-rps", type=float, default=5.0)
+    parser.add_argument("--no-limit-headers", action="store_true", help="no x-ratelimit-* headers: 429s only")
     args = parser.parse_args()
-    server = BenchUpstream(port=args.port, delay=args.delay_ms / 1000.0, key_rps=args.key_rps)
+    server = BenchUpstream(
+        port=args.port, delay=args.delay_ms / 1000.0, key_rps=args.key_rps, limit_headers=not args.no_limit_headers
+    )
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     print(f"READY {server.url}", flush=True)
     try:

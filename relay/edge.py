@@ -32,10 +32,15 @@ import time
 
 import uuid6
 from django.conf import settings
+from django.contrib.auth import middleware as auth_middleware
+from django.contrib.messages import middleware as message_middleware
+from django.contrib.sessions import middleware as session_middleware
 from django.core.handlers.wsgi import LimitedStream
 from django.http import HttpResponse
+from django.middleware import csrf as csrf_middleware
 from django.views import defaults
 
+from relay.adapters import PATH_ADAPTER
 from relay.errors import RelayError
 
 log = logging.getLogger("relay.edge")
@@ -307,3 +312,37 @@ def server_error(request):
         request.relay_request_id = str(uuid6.uuid7())
     log.error("internal server error on %s (request id %s)", request.path[:200], request.relay_request_id)
     return server_error_response(request)
+
+
+# --- the live routes skip the browser-session middleware ------------------------------------------
+
+_LIVE_PATHS = frozenset(prefix + path for path in PATH_ADAPTER for prefix in ("", "/openai", "/anthropic"))
+
+
+class _SkippedOnLiveRoutes:
+    """Django's middleware, except on the live inference routes. Those authenticate a relay key or a
+    token only (no session, no CSRF cookie, no messages, no Django user), yet paid each of these
+    on every request. Every other path (the admin, the operator pages, the control-plane APIs a
+    staff session may call) runs them as before. Subclasses of Django's own classes, so the
+    admin's system checks still find them."""
+
+    def __call__(self, request):
+        if request.path_info in _LIVE_PATHS:
+            return self.get_response(request)
+        return super().__call__(request)
+
+
+class SessionMiddleware(_SkippedOnLiveRoutes, session_middleware.SessionMiddleware):
+    pass
+
+
+class CsrfViewMiddleware(_SkippedOnLiveRoutes, csrf_middleware.CsrfViewMiddleware):
+    pass
+
+
+class AuthenticationMiddleware(_SkippedOnLiveRoutes, auth_middleware.AuthenticationMiddleware):
+    pass
+
+
+class MessageMiddleware(_SkippedOnLiveRoutes, message_middleware.MessageMiddleware):
+    pass

@@ -68,11 +68,13 @@ MIDDLEWARE = [
     "relay.edge.EdgeMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
-    "django.contrib.sessions.middleware.SessionMiddleware",
+    # Django's own four below, skipped on the live inference routes (they authenticate a relay key
+    # or token only; relay.edge).
+    "relay.edge.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
-    "django.middleware.csrf.CsrfViewMiddleware",
-    "django.contrib.auth.middleware.AuthenticationMiddleware",
-    "django.contrib.messages.middleware.MessageMiddleware",
+    "relay.edge.CsrfViewMiddleware",
+    "relay.edge.AuthenticationMiddleware",
+    "relay.edge.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
 ]
 

@@ -21,6 +21,7 @@
 #   BENCH_SCALE_ITEMS         [400]   items of each scale-out batch, at BENCH_SCALE_LATENCY_MS [1000]
 #   BENCH_SCALE_WORKERS       [1,2,3] worker processes of the scale-out runs
 #   BENCH_RL_ITEMS            [200]   items against the rate-limited provider (2 keys x BENCH_RL_KEY_RPS [5] req/s)
+#   BENCH_RL_LIMIT_HEADERS    [1]     0: that provider sends no x-ratelimit-* headers (only 429 + Retry-After)
 #   BENCH_PEER                [1]     0 skips the LiteLLM peer of the live benchmark (and its install)
 #   BENCH_DB_PREFIX           [relay_bench] database names: <prefix>, <prefix>_batch
 #   BENCH_SKIP_OPENAI_UPLOAD  [0]     1 skips the OpenAI-compatible JSONL upload + create figure

@@ -1,0 +1,34 @@
+"""relay.edge: the live inference routes bypass Django's session, CSRF, auth and messages middleware."""
+
+import pytest
+from django.urls import resolve
+
+from relay import edge
+from relay.api.inference import InferenceView
+
+pytestmark = pytest.mark.django_db
+
+
+def test_the_bypassed_paths_are_exactly_the_live_routes():
+    for path in edge._LIVE_PATHS:
+        assert resolve(path).func.view_class is InferenceView, path
+    assert len(edge._LIVE_PATHS) == 3 * len(edge.PATH_ADAPTER)
+
+
+def test_a_live_request_gets_no_session_or_csrf_work(client, catalog):
+    body = {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}
+    client.cookies["sessionid"] = "not-a-session"
+    resp = client.post(
+        "/v1/chat/completions",
+        data=body,
+        content_type="application/json",
+        headers={"Authorization": f"Bearer {catalog.key}"},
+    )
+    assert resp.status_code == 200
+    assert not hasattr(resp.wsgi_request, "session") and not hasattr(resp.wsgi_request, "_messages")
+
+
+def test_the_admin_still_runs_them(client):
+    resp = client.get("/admin/login/")
+    assert resp.status_code == 200 and "csrftoken" in resp.cookies
+    assert hasattr(resp.wsgi_request, "session")
