@@ -120,9 +120,7 @@ def _routed_and_picked(call: Call, ctx: dict):
     the request routed again; a routing error is confirmed against the counter before it stands."""
     snap = catalog.held()
     for attempt in range(MAX_REROUTES + 1):
-        if call.reauthenticate is not None and not _same_generation(call.credential_snapshot, snap):
-            # The credential was checked against an older catalog: check it again (a revoked key stops here).
-            call.principal, call.credential_snapshot = call.reauthenticate(snap), snap
+        _recheck_credential(call, snap)
         try:
             policy, route, path = _route(call, snap)
         except RelayError:
@@ -130,6 +128,7 @@ def _routed_and_picked(call: Call, ctx: dict):
             if fresh is None or fresh is snap:
                 raise
             snap = fresh
+            _recheck_credential(call, snap)
             policy, route, path = _route(call, snap)
         ctx["route"] = route
         check = snap.gen if snap is not None and attempt < MAX_REROUTES else ""
@@ -146,6 +145,12 @@ def _routed_and_picked(call: Call, ctx: dict):
             continue
         return route, path, picks
     raise AssertionError("unreachable: the last attempt does not check the generation")
+
+
+def _recheck_credential(call: Call, snap) -> None:
+    if call.reauthenticate is not None and not _same_generation(call.credential_snapshot, snap):
+        # The credential was checked against another catalog: check it again (a revoked key stops here).
+        call.principal, call.credential_snapshot = call.reauthenticate(snap), snap
 
 
 def _same_generation(a, b) -> bool:
