@@ -270,3 +270,10 @@ def test_a_cached_key_still_expires_on_time(client, catalog):
     time.sleep(1.1)  # no write: only the clock moved
     resp = _chat(client, catalog)
     assert resp.status_code == 401 and resp.json()["error"]["message"] == "api key expired"
+
+
+def test_a_key_enabled_again_elsewhere_is_accepted_at_the_next_live_request(client, catalog):
+    RelayKey.objects.filter(pk=catalog.key_obj.pk).update(enabled=False)
+    assert _chat(client, catalog).status_code == 401  # the disabled row is now cached here
+    _as_if_elsewhere(lambda: RelayKey.objects.filter(pk=catalog.key_obj.pk).update(enabled=True))
+    assert _chat(client, catalog).status_code == 200

@@ -14,6 +14,7 @@ from django.conf import settings
 from rest_framework.authentication import BaseAuthentication, SessionAuthentication
 
 from relay import auth, catalog
+from relay.errors import AuthError
 
 
 class Operator:
@@ -43,7 +44,15 @@ class LiveCredentialAuthentication(RelayCredentialAuthentication):
 
     def authenticate(self, request):
         snapshot = catalog.held()
-        return auth.authenticate(request, snapshot), snapshot
+        try:
+            return auth.authenticate(request, snapshot), snapshot
+        except AuthError:
+            # A refusal from a held snapshot is confirmed against the current one (a key re-enabled
+            # elsewhere a moment ago is not refused from a stale cache).
+            fresh = catalog.current()
+            if fresh is None or fresh is snapshot:
+                raise
+            return auth.authenticate(request, fresh), fresh
 
 
 class AdminTokenAuthentication(BaseAuthentication):
