@@ -24,11 +24,8 @@ from __future__ import annotations
 import math
 import re
 from datetime import UTC, datetime
-from functools import lru_cache
 
-import redis
-from redis.commands.core import Script
-
+from policies import lua
 from relay.redis import get_redis
 
 # The longest window we believe a provider reports (OpenAI's daily request limits reset within a day).
@@ -75,11 +72,6 @@ LIMIT_TTL_S = 3600
 PROVISIONAL_WINDOW_MS = 1000
 
 _DURATION = re.compile(r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m(?!s))?(?:(\d+(?:\.\d+)?)s)?(?:(\d+(?:\.\d+)?)ms)?")
-
-
-@lru_cache(maxsize=8)
-def _script(client: redis.Redis, source: str) -> Script:
-    return client.register_script(source)
 
 
 def keys(key_hash: str) -> list[str]:
@@ -141,9 +133,8 @@ def learn(key_hash: str, headers: dict) -> None:
     if quota is None:
         return
     remaining, reset, limit = quota
-    client = get_redis()
     args = [remaining, max(1, math.ceil(reset * 1000)), "" if limit is None else limit, LIMIT_TTL_S]
-    _script(client, _LEARN_LUA)(keys=keys(key_hash), args=args, client=client)
+    lua.run(_LEARN_LUA, keys(key_hash), args)
 
 
 def forget(key_hash: str) -> None:
