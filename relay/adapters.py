@@ -17,6 +17,11 @@ PATH_ADAPTER = {
     "/v1/messages": Adapter.ANTHROPIC,
 }
 
+# Each inbound path is served bare and under these prefixes: the live routes (relay.api.inference,
+# and relay.edge, which lets them skip the browser-session middleware).
+LIVE_PREFIXES = ("", "openai/", "anthropic/")
+LIVE_PATHS = frozenset(f"/{prefix}{path.lstrip('/')}" for path in PATH_ADAPTER for prefix in LIVE_PREFIXES)
+
 # Headers of the caller that are forwarded (everything else, in particular the
 # caller's credentials and X-WR-* headers, stays at the relay).
 _FORWARDED = {"anthropic-version", "anthropic-beta", "openai-organization", "openai-project"}

@@ -40,7 +40,7 @@ from django.http import HttpResponse
 from django.middleware import csrf as csrf_middleware
 from django.views import defaults
 
-from relay.adapters import PATH_ADAPTER
+from relay.adapters import LIVE_PATHS
 from relay.errors import RelayError
 
 log = logging.getLogger("relay.edge")
@@ -316,8 +316,6 @@ def server_error(request):
 
 # --- the live routes skip the browser-session middleware ------------------------------------------
 
-_LIVE_PATHS = frozenset(prefix + path for path in PATH_ADAPTER for prefix in ("", "/openai", "/anthropic"))
-
 
 class _SkippedOnLiveRoutes:
     """Django's middleware, except on the live inference routes. Those authenticate a relay key or a
@@ -327,7 +325,7 @@ class _SkippedOnLiveRoutes:
     admin's system checks still find them."""
 
     def __call__(self, request):
-        if request.path_info in _LIVE_PATHS:
+        if request.path_info in LIVE_PATHS:
             return self.get_response(request)
         return super().__call__(request)
 

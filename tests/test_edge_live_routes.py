@@ -3,16 +3,17 @@
 import pytest
 from django.urls import resolve
 
-from relay import edge
+from relay.adapters import LIVE_PATHS, PATH_ADAPTER
 from relay.api.inference import InferenceView
 
 pytestmark = pytest.mark.django_db
 
 
 def test_the_bypassed_paths_are_exactly_the_live_routes():
-    for path in edge._LIVE_PATHS:
+    for path in LIVE_PATHS:
         assert resolve(path).func.view_class is InferenceView, path
-    assert len(edge._LIVE_PATHS) == 3 * len(edge.PATH_ADAPTER)
+    assert len(LIVE_PATHS) == 3 * len(PATH_ADAPTER)
+    assert "/anthropic/v1/messages" in LIVE_PATHS and "/v1/chat/completions" in LIVE_PATHS
 
 
 def test_a_live_request_gets_no_session_or_csrf_work(client, catalog):

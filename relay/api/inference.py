@@ -79,6 +79,6 @@ def inference_urls():
     for upstream_path in pipeline.adapters.PATH_ADAPTER:
         view = InferenceView.as_view(upstream_path=upstream_path)
         name = upstream_path.strip("/").replace("/", "-")
-        for prefix in ("", "openai/", "anthropic/"):
+        for prefix in pipeline.adapters.LIVE_PREFIXES:
             routes.append(path(prefix + upstream_path.lstrip("/"), view, name=f"{prefix}{name}"))
     return routes
