@@ -27,7 +27,7 @@ import sys
 import time
 from collections import deque
 
-from relay.demo_upstream import DemoUpstream, Reply, _Handler
+from relay.demo_upstream import DemoUpstream, Reply, _Handler, openai_limit_headers
 
 LIMITED_PREFIX = "sk-bench-rl-"
 
@@ -77,11 +77,7 @@ class BenchUpstream(DemoUpstream):
             return {}
         times = self.accepted_at.get(key) or deque()
         reset_ms = max(1, math.ceil(((times[0] + 1.0 - now) if times else 1.0) * 1000))
-        return {
-            "x-ratelimit-limit-requests": f"{self.key_rps:g}",
-            "x-ratelimit-remaining-requests": str(max(0, int(self.key_rps) - len(times))),
-            "x-ratelimit-reset-requests": f"{reset_ms}ms",
-        }
+        return openai_limit_headers(f"{self.key_rps:g}", max(0, int(self.key_rps) - len(times)), reset_ms)
 
     def _over_limit(self, key: str, now: float) -> float | None:
         """Sliding 1 s window of accepted requests per key (called with the lock held)."""

@@ -136,6 +136,15 @@ def canned(path: str, body: dict) -> dict:
 KNOWN_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/v1/messages")
 
 
+def openai_limit_headers(limit, remaining: int, reset_ms: int) -> dict:
+    """OpenAI's request-quota headers, as it sends them on every answer."""
+    return {
+        "x-ratelimit-limit-requests": limit,
+        "x-ratelimit-remaining-requests": remaining,
+        "x-ratelimit-reset-requests": f"{reset_ms}ms",
+    }
+
+
 class DemoUpstream(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
@@ -220,11 +229,7 @@ class DemoUpstream(ThreadingHTTPServer):
             self.rate_windows[key] = (window, count)
             self.rate_stats["ok" if allowed else "limited"] += 1
         reset_ms = max(1, int(((window + 1) * size - now) * 1000))
-        headers = {
-            "x-ratelimit-limit-requests": limit,
-            "x-ratelimit-remaining-requests": limit - count,
-            "x-ratelimit-reset-requests": f"{reset_ms}ms",
-        }
+        headers = openai_limit_headers(limit, limit - count, reset_ms)
         if not allowed:
             headers["Retry-After"] = max(1, -(-reset_ms // 1000))
         return allowed, headers
