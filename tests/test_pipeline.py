@@ -32,12 +32,14 @@ def relay(live_server, catalog):
                 wait_for_event(resp)
             return resp
 
+    before = set(threading.enumerate())
     yield Client()
-    # A usage event is written after its answer is sent: let the live server finish every request
-    # (its handler threads end after the response's closers ran), so none lands in the next test.
+    # A usage event is written after its answer is sent: let the live server finish this test's
+    # requests (their handler threads end after the response's closers ran), so none lands in the
+    # next test. A thread an earlier test left behind is not waited for.
     httpd = live_server.thread.httpd
     deadline = time.monotonic() + 10
-    for thread in threading.enumerate():
+    for thread in set(threading.enumerate()) - before:
         if getattr(getattr(thread, "_target", None), "__self__", None) is httpd:
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
