@@ -1035,16 +1035,23 @@ def wake_workers(known_work: bool = False) -> int:
     return missing
 
 
+# Wake-ups a drain passes on: two, so idle slots fill in a doubling chain (3 hops for 8 slots, not 8).
+# Measured (scale-out, 3 workers, 24 slots, 16 wake-ups queued by the submit): every slot busy 0.21-0.30 s
+# after the 202 with one.
+PASS_ON = 2
+
+
 def pass_on() -> bool:
-    """A drain found work: queue one more wake-up unless one is already waiting, so an idle slot of any
-    worker joins in. Slots fill one by one until a wake-up stays queued (every consuming slot is busy);
-    when the work runs out, the few surplus wake-ups find nothing and end. True if one was sent."""
+    """A drain found work: queue PASS_ON more wake-ups unless one is already waiting, so idle slots of any
+    worker join in. Slots fill until a wake-up stays queued (every consuming slot is busy); when the work
+    runs out, the few surplus wake-ups find nothing and end. True if they were sent."""
     from relay.celery import app
 
     if queue_length(ITEM_QUEUE) != 0:  # one is waiting (or the broker is down: the sweeper wakes them)
         return False
     try:
-        app.send_task("batches.tasks.run_items", queue=ITEM_QUEUE)
+        for _ in range(PASS_ON):
+            app.send_task("batches.tasks.run_items", queue=ITEM_QUEUE)
     except Exception:
         log.warning("could not pass a wake-up on", exc_info=True)
         return False

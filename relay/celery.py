@@ -16,6 +16,25 @@ def _after_django_fixup(**kwargs) -> None:
     # Connected here, in the worker's parent, so it runs after Celery's Django fixup's own
     # worker_process_init receiver (which closes every database connection a pool process inherits).
     signals.worker_process_init.connect(_warm_up, weak=False, dispatch_uid="relay.celery.warm_up")
+    _warm_parent()
+
+
+def _warm_parent() -> None:
+    """What every pool process would load for itself, loaded once here, before they are forked: they
+    inherit it (the catalog cache of relay.routing.warm; its generation is checked at use, as always).
+    Best effort; the parent's database connections are closed again, none is inherited."""
+    import logging
+
+    from django.db import connections
+
+    from relay import routing
+
+    try:
+        routing.warm()
+    except Exception:
+        logging.getLogger(__name__).warning("catalog warm-up failed; each process loads its own", exc_info=True)
+    finally:
+        connections.close_all()
 
 
 def _warm_up(**kwargs) -> None:

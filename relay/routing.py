@@ -5,10 +5,12 @@ Errors and their statuses follow the product (relay-product.md A6): 404
 503 `no_host_binding` / `no_keys`.
 """
 
+import contextlib
 from dataclasses import dataclass
 
 from policies.models import Policy
 from relay import catalog
+from relay.crypto import SecretUnavailable
 from relay.errors import RelayError
 from relay.grants import granted
 from relay.models import HostBinding, HostKey, LLMModel
@@ -75,3 +77,36 @@ def _resolve(policy: Policy, model_name: str) -> Route:
         if keys:
             return Route(policy=policy, model=model, binding=binding, keys=keys)
     raise RoutingError(503, "no_keys", f"policy {policy.name} has no enabled host key for {enabled[0].host.name}")
+
+
+# What `warm` loads at most: a bound on a worker's start-up time, whatever the catalog's size.
+WARM_POLICIES = 50
+WARM_ROUTES = 500
+
+
+def warm() -> int:
+    """Load every enabled policy and resolve its routes (to each model with a binding) into the catalog
+    cache, with one snapshot; returns the routes resolved. A Celery worker calls it in its parent
+    process before the pool processes are forked (relay/celery.py), so they start with the catalog
+    loaded. Measured (`make bench`, scale-out: 24 pool processes taking their first item at once on 2
+    cores): the first item of each spent ~150 ms of its 1.45 s loading the policy and its route."""
+    snap = catalog.current()
+    if snap is None:  # Redis cannot tell which catalog is current: nothing can be cached
+        return 0
+    names = list(HostBinding.objects.order_by().values_list("model__name", flat=True).distinct()[:WARM_ROUTES])
+    resolved = 0
+    for policy_id in Policy.objects.filter(enabled=True).order_by("id").values_list("id", flat=True)[:WARM_POLICIES]:
+        policy = catalog.policy(policy_id, snap)
+        for name in names:
+            if resolved >= WARM_ROUTES:
+                return resolved
+            try:
+                route = resolve(policy, name, snap)
+            except RelayError:  # not granted, no key: cached as such, as a request would find it
+                pass
+            else:
+                for key in route.keys:  # decrypted once, kept with the cached instance
+                    with contextlib.suppress(SecretUnavailable):
+                        key.get_value()
+            resolved += 1
+    return resolved

@@ -123,13 +123,25 @@ def _watchdog() -> None:
 
 
 def _register(watch: _Watch) -> None:
-    global _watchdog_pid
     with _lock:
-        if _watchdog_pid != os.getpid():  # first call in this process (or a forked child)
-            _watchdog_pid = os.getpid()
-            threading.Thread(target=_watchdog, name="upstream-watchdog", daemon=True).start()
+        _start_watchdog()
         _watches.add(watch)
         _lock.notify()
+
+
+def _start_watchdog() -> None:
+    """The process's watchdog thread, at its first call (called with `_lock` held)."""
+    global _watchdog_pid
+    if _watchdog_pid != os.getpid():  # first call in this process (or a forked child)
+        _watchdog_pid = os.getpid()
+        threading.Thread(target=_watchdog, name="upstream-watchdog", daemon=True).start()
+
+
+def warm() -> None:
+    """What a process's first call would start: its session and its watchdog (a batch worker's warm-up)."""
+    _shared_session()
+    with _lock:
+        _start_watchdog()
 
 
 def _unregister(watch: _Watch) -> None:

@@ -95,16 +95,16 @@ def test_claimable_work_follows_pauses_and_backoffs(catalog):
     assert not lifecycle.has_claimable_work()
 
 
-def test_a_drain_that_finds_work_passes_one_wake_up_on(catalog):
+def test_a_drain_that_finds_work_passes_wake_ups_on(catalog):
     from relay.celery import app
 
     with app.connection_or_acquire() as conn:
         conn.default_channel.queue_purge(lifecycle.ITEM_QUEUE)
     try:
         assert lifecycle.pass_on() is True
-        assert lifecycle.queue_length(lifecycle.ITEM_QUEUE) == 1
-        assert lifecycle.pass_on() is False  # one is waiting: no second
-        assert lifecycle.queue_length(lifecycle.ITEM_QUEUE) == 1
+        assert lifecycle.queue_length(lifecycle.ITEM_QUEUE) == lifecycle.PASS_ON == 2  # idle slots fill doubling
+        assert lifecycle.pass_on() is False  # some are waiting: no more
+        assert lifecycle.queue_length(lifecycle.ITEM_QUEUE) == 2
     finally:
         with app.connection_or_acquire() as conn:
             conn.default_channel.queue_purge(lifecycle.ITEM_QUEUE)
