@@ -129,9 +129,10 @@ class MultipartFile:
 
 
 @contextlib.contextmanager
-def profiled(web: harness.Web, label: str):
-    """With BENCH_PYSPY=<dir>: py-spy records every gunicorn worker while the block runs (raw and
-    speedscope files named after `label`); otherwise nothing."""
+def profiled(web: harness.Web, label: str, pids=None, idle: bool = False):
+    """With BENCH_PYSPY=<dir>: py-spy records every gunicorn worker (or `pids`) while the block runs (raw
+    and speedscope files named after `label`); otherwise nothing. `idle`: also the samples of threads
+    waiting (a socket, a lock), so the profile shows wall time, not only CPU."""
     out = os.environ.get("BENCH_PYSPY")
     spy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
     if not out or not spy:
@@ -139,27 +140,12 @@ def profiled(web: harness.Web, label: str):
         return
     Path(out).mkdir(parents=True, exist_ok=True)
     procs = []
-    for pid in web.worker_pids():
+    for pid in web.worker_pids() if pids is None else pids:
         for fmt in ("raw", "speedscope"):
-            procs.append(
-                subprocess.Popen(
-                    [
-                        spy,
-                        "record",
-                        "-p",
-                        str(pid),
-                        "--nonblocking",
-                        "-r",
-                        "250",
-                        "-f",
-                        fmt,
-                        "-o",
-                        str(Path(out) / f"{label}-{pid}.{fmt}"),
-                    ],
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
-                )
-            )
+            argv = [spy, "record", "-p", str(pid), "--nonblocking", "-r", "250", "-f", fmt]
+            argv += ["--idle"] if idle else []
+            argv += ["-o", str(Path(out) / f"{label}-{pid}.{fmt}")]
+            procs.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     time.sleep(1.0)  # let py-spy attach before the request starts
     try:
         yield
@@ -343,6 +329,7 @@ def throughput(
         "status": status["Status"],
         "upstream_requests": stats["requests"],
         "upstream_max_in_flight": stats["max_in_flight"],
+        "upstream_served_ms": stats.get("served_ms_mean"),
         "submit_mem": sub["mem"],
         "id": sub["id"],
         "cpu": cpu.describe(n, "item"),
@@ -565,7 +552,9 @@ def run() -> dict:
                 log("b. starting the Celery worker (-c 8, -B)")
                 worker = procs["worker"] = stack.start_worker()
             log(f"b. throughput: {tp_n} items at {latency:g} ms upstream latency")
-            r["tp"] = throughput(web, key, upstream, stack.tmp, tp_n, latency, item_bytes, cpu_groups)
+            # Profiled with BENCH_PYSPY: the item worker's pool processes, wall time (--idle).
+            with profiled(web, "drain", pids=harness.children_of(worker.popen.pid), idle=True):
+                r["tp"] = throughput(web, key, upstream, stack.tmp, tp_n, latency, item_bytes, cpu_groups)
             r["tp_results"] = fetch_results(web, key, r["tp"]["id"], cpu_groups)
             if ceiling_n > 0:
                 log(f"b. worker ceiling: {ceiling_n} items at 0 ms upstream latency")
@@ -660,8 +649,9 @@ def print_report(r: dict) -> None:
         print(
             f"e. scale-out, {sc['workers']} worker(s) x {SLOTS} slots at {sc['tp']['latency_ms']:g} ms, "
             f"{sc['tp']['n']:,} items: {sc['rate']:.2f} items/s = {sc['ratio']:.2f} of {sc['ideal']:.0f} items/s "
-            f"(target >= 0.95); at most {sc['tp']['upstream_max_in_flight']} in flight upstream; all "
-            f"{sc['workers'] * SLOTS} slots busy {sc['tp']['fill_s']:.2f} s after the 202"
+            f"(target >= 0.95); at most {sc['tp']['upstream_max_in_flight']} in flight upstream, answered in "
+            f"{_ms(sc['tp'].get('upstream_served_ms'))} on average; all {sc['workers'] * SLOTS} slots busy "
+            f"{sc['tp']['fill_s']:.2f} s after the 202"
         )
     if "rl" in r:
         rl = r["rl"]
@@ -710,12 +700,17 @@ def _print_openai(r: dict) -> None:
     print()
 
 
+def _ms(value) -> str:
+    return "?" if value is None else f"{value:.1f} ms"
+
+
 def _print_tp_details(t: dict) -> None:
     counts = ", ".join(f"{k} {v}" for k, v in sorted(t["counts"].items()))
     print(
         f"   202 -> CompletedAt {t['seconds']:.1f} s (first item started {t['first_start_s']:.2f} s after the 202; "
         f"first start -> last finish {t['steady_rate']:.1f} items/s); items: {counts}; status {t['status']}; "
-        f"upstream saw {t['upstream_requests']} requests, at most {t['upstream_max_in_flight']} in flight"
+        f"upstream saw {t['upstream_requests']} requests, at most {t['upstream_max_in_flight']} in flight, "
+        f"answered in {_ms(t.get('upstream_served_ms'))} on average (the {t['latency_ms']:g} ms latency included)"
     )
     print(f"   {t['cpu']}")
 

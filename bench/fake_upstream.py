@@ -7,8 +7,8 @@ Differences from the plain demo upstream, all for benchmarking:
 - every reply waits `delay` seconds (changeable at run time: POST /_bench/config {"delay_ms": 100});
 - it keeps no copy of the requests it saw (the test server records them all: 50,000 would grow memory);
 - a listen backlog of 512 (socketserver's default of 5 drops SYNs under bursts, which costs a 1 s retry);
-- GET /_bench/stats → {"requests", "max_in_flight", "in_flight", "rate_limited"}; POST /_bench/reset
-  zeroes them;
+- GET /_bench/stats → {"requests", "max_in_flight", "in_flight", "rate_limited", "served_ms_mean"} (the
+  mean time from a call's headers read to its answer written); POST /_bench/reset zeroes them;
 - per-key rate limiting, like a provider's tier: a key whose value starts with `sk-bench-rl-` may make
   `key_rps` requests per second (sliding 1 s window, default 5; `--key-rps`, or POST /_bench/config
   {"key_rps": 5}); beyond that it gets 429 with `Retry-After` (whole seconds, at least 1) and an
@@ -44,6 +44,9 @@ class BenchUpstream(DemoUpstream):
         self.delay = delay
         self.received = deque(maxlen=0)  # appends are dropped: constant memory
         self.count = 0
+        # Served latency of provider calls: from the request's headers read to the answer written.
+        self.served_s = 0.0
+        self.served_n = 0
         self.key_rps = key_rps
         self.rate_limited = 0
         self.accepted_at: dict[str, deque] = {}  # limited key -> times of its accepted requests
@@ -109,6 +112,7 @@ class _BenchHandler(_Handler):
                 "max_in_flight": srv.max_in_flight,
                 "in_flight": srv.in_flight,
                 "rate_limited": srv.rate_limited,
+                "served_ms_mean": 1000 * srv.served_s / srv.served_n if srv.served_n else None,
             }
 
     def do_GET(self):
@@ -118,7 +122,14 @@ class _BenchHandler(_Handler):
 
     def do_POST(self):
         if not self.path.startswith("/_bench/"):
-            return super().do_POST()
+            started = time.monotonic()
+            try:
+                return super().do_POST()
+            finally:
+                served = time.monotonic() - started
+                with self.server.lock:
+                    self.server.served_s += served
+                    self.server.served_n += 1
         length = int(self.headers.get("Content-Length") or 0)
         body = json.loads(self.rfile.read(length) or b"{}")
         srv = self.server
@@ -133,6 +144,7 @@ class _BenchHandler(_Handler):
             with srv.lock:
                 srv.count = 0
                 srv.rate_limited = 0
+                srv.served_s, srv.served_n = 0.0, 0
                 srv.accepted_at.clear()
                 srv.max_in_flight = srv.in_flight
             return self._json(200, self._stats())
