@@ -242,6 +242,11 @@ RELAY_BATCH_SWEEP_SECONDS = env.float("RELAY_BATCH_SWEEP_SECONDS", default=5.0)
 # cap the work in flight: every drain that finds work passes one wake-up on while none is waiting, so
 # the slots of every worker consuming the queue fill within a few claims (batches.lifecycle.pass_on).
 RELAY_BATCH_WAKEUP_WINDOW = env.int("RELAY_BATCH_WAKEUP_WINDOW", default=16)
+# A drain claims its next item while the current one calls out (batches.services.drain) only while
+# the batch has more than this many items after the current one: near a batch's end, an item claimed
+# ahead would wait for this slot's call while another slot stands idle. At least twice the slots of
+# the whole fleet; 0 turns claiming ahead off.
+RELAY_BATCH_CLAIM_AHEAD_MIN_LEFT = env.int("RELAY_BATCH_CLAIM_AHEAD_MIN_LEFT", default=64)
 
 # --- Retention (batches/retention.py; the `retention` beat job) ------------------------
 # How often expired files, old native batches and pruned credentials are removed.

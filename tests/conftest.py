@@ -14,6 +14,17 @@ from tests import factories  # noqa: E402
 
 
 @pytest.fixture(scope="session")
+def django_db_setup(django_db_setup):
+    """pytest-django's, plus: a drain run in this process left the bookkeeper thread's connection open
+    (batches.services: kept up to CONN_MAX_AGE, as a worker keeps it); close it before the test
+    database is dropped."""
+    yield
+    from batches import services
+
+    services.close_bookkeeper()
+
+
+@pytest.fixture(scope="session")
 def upstream():
     server = DemoUpstream().start()
     yield server

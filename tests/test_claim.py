@@ -188,3 +188,77 @@ def test_the_claim_walks_item_available_in_idx_order_whatever_the_statistics(cat
         cursor.execute("EXPLAIN " + execute, params)
         plan = "\n".join(row[0] for row in cursor.fetchall())
     assert "Index Scan using item_available" in plan and "item_batch_state" not in plan, plan
+
+
+# --- claiming ahead (batches.services._Ahead): the next item, claimed while the current one calls out ---
+
+
+def test_a_drain_that_claims_ahead_runs_every_item_once_and_completes_the_batch(catalog, fake, settings, monkeypatch):
+    from usage.models import UsageEvent
+
+    monkeypatch.setattr(lifecycle, "pass_on", lambda: False)
+    monkeypatch.setattr(lifecycle, "wake_workers", lambda known_work=False: 0)
+    settings.RELAY_BATCH_CLAIM_AHEAD_MIN_LEFT = 1  # claim ahead up to the batch's second-to-last item
+    monkeypatch.setattr(services, "CLAIM_AHEAD_MAX_ITEM_S", 3600)  # however slow this machine is
+    taken = []
+    real = services._Ahead.take
+    monkeypatch.setattr(services._Ahead, "take", lambda self: taken.append(1) or real(self))
+    batch = native_batch(catalog, 12)
+    assert services.drain(max_items=5) == 5
+    assert services.drain() == 7
+    # Claimed ahead: after each drain's first item (how long an item runs is not known before), while
+    # the budget has room for one more (items 2-4 of the first drain) and more than one item follows.
+    assert len(taken) == 3 + 4
+    batch.refresh_from_db()
+    assert batch.status == "completed"
+    items = Item.objects.filter(batch=batch)
+    assert {i.state for i in items} == {"completed"} and {i.attempt for i in items} == {1}
+    assert len(fake.received) == 12
+    assert UsageEvent.objects.filter(batch_id=str(batch.pk)).count() == 12
+
+
+def ahead_claim(owner="ahead"):
+    from collections import deque
+
+    ahead = services._Ahead(services._bookkeeper().submit, owner, None, deque())
+    ahead.future.result(timeout=30)
+    return ahead
+
+
+def test_an_item_claimed_ahead_keeps_its_lease_while_it_waits(catalog):
+    native_batch(catalog, 2)
+    ahead = ahead_claim()
+    item = ahead.future.result()
+    assert ahead.hb in services._bookkeeper().beats  # the bookkeeper renews it with the running items
+    assert ahead.take() == item
+    assert ahead.hb not in services._bookkeeper().beats  # run_item beats it from here on
+
+
+def test_an_item_claimed_ahead_whose_batch_is_cancelled_meanwhile_is_never_sent(catalog, fake):
+    batch = native_batch(catalog, 2)
+    ahead = ahead_claim()
+    services.cancel(Batch.objects.get(pk=batch.pk))
+    ahead.hb.beat()  # what the bookkeeper does every RELAY_BATCH_HEARTBEAT_SECONDS
+    assert ahead.take() is services._Ahead.RELEASED
+    assert {i.state for i in Item.objects.filter(batch=batch)} == {"cancelled"}
+    assert fake.received == []
+
+
+def test_an_item_claimed_ahead_that_lost_its_lease_is_left_to_its_new_owner(catalog):
+    native_batch(catalog, 2)
+    ahead = ahead_claim()
+    item = ahead.future.result()
+    Item.objects.filter(pk=item.pk).update(lease_owner="someone-else")  # the sweeper gave it away
+    ahead.hb.beat()
+    assert ahead.take() is services._Ahead.RELEASED
+    assert Item.objects.get(pk=item.pk).lease_owner == "someone-else"
+
+
+def test_a_drain_that_stops_on_an_error_hands_back_what_it_claimed_ahead(catalog):
+    native_batch(catalog, 2)
+    ahead = ahead_claim()
+    item = ahead.future.result()
+    ahead.abandon()
+    assert ahead.hb not in services._bookkeeper().beats  # no heartbeat keeps its lease alive
+    row = Item.objects.get(pk=item.pk)
+    assert (row.state, row.lease_owner, row.retries) == ("available", "", 0)  # no attempt used up

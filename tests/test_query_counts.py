@@ -12,7 +12,7 @@ import io
 import json
 
 import pytest
-from django.db import connection
+from django.db import connection, connections
 from django.test.utils import CaptureQueriesContext
 
 from batches import ingest, openai_batches, services, validation
@@ -124,7 +124,8 @@ def test_one_batch_item_run(catalog, fake):
 def count_with_bookkeeper(fn) -> int:
     """`count`, adding the statements of the worker process's bookkeeper thread (its own connection)."""
     keeper = services._bookkeeper()
-    ctx = keeper.submit(lambda: CaptureQueriesContext(connection).__enter__()).result()
+    # The thread's own connection object (`connection` is a proxy that each thread resolves to its own).
+    ctx = keeper.submit(lambda: CaptureQueriesContext(connections["default"]).__enter__()).result()
     try:
         n = count(fn)
     finally:
@@ -133,14 +134,18 @@ def count_with_bookkeeper(fn) -> int:
 
 
 @runs_items
-def test_the_drain_per_item(catalog, fake, monkeypatch, settings):
+@pytest.mark.parametrize("claim_ahead", [False, True], ids=["own-claims", "claims-ahead"])
+def test_the_drain_per_item(catalog, fake, monkeypatch, settings, claim_ahead):
     from batches import lifecycle
 
     settings.RELAY_BATCH_HEARTBEAT_SECONDS = 3600  # no beat among the counted statements
+    # Claiming ahead moves the claim to the bookkeeper thread; it costs no statement more.
+    settings.RELAY_BATCH_CLAIM_AHEAD_MIN_LEFT = 1 if claim_ahead else 0
+    monkeypatch.setattr(services, "CLAIM_AHEAD_MAX_ITEM_S", 3600)
     monkeypatch.setattr(lifecycle, "pass_on", lambda: False)  # Redis only; keep no wake-up queued
     monkeypatch.setattr(lifecycle, "wake_workers", lambda known_work=False: 0)
-    batch = native_batch(catalog, n=12)
-    services.drain(max_items=1)  # warm: first-use caches are not what is pinned
+    batch = native_batch(catalog, n=14)
+    services.drain(max_items=3)  # warm: first-use caches (and both threads' prepared claims) are not pinned
     three = count_with_bookkeeper(lambda: services.drain(max_items=3))
     six = count_with_bookkeeper(lambda: services.drain(max_items=6))
     assert (six - three) / 3 == DRAIN_PER_ITEM
