@@ -277,3 +277,53 @@ def test_a_key_enabled_again_elsewhere_is_accepted_at_the_next_live_request(clie
     assert _chat(client, catalog).status_code == 401  # the disabled row is now cached here
     _as_if_elsewhere(lambda: RelayKey.objects.filter(pk=catalog.key_obj.pk).update(enabled=True))
     assert _chat(client, catalog).status_code == 200
+
+
+# --- batch items: checked against the held catalog; the pick confirms it ---------------------------
+
+
+def _batch_items(catalog, n):
+    import io
+
+    from batches import services as batch_services
+    from relay import auth
+
+    body = {"shape": "openai", "requests": [{"model": "gpt-4o", "messages": []}] * n}
+    principal = auth.principal_for_key(catalog.key)
+    return batch_services.submit_native(principal, io.BytesIO(json.dumps(body).encode()))
+
+
+def _run_next():
+    from batches import services as batch_services
+    from batches.models import Item
+
+    item = batch_services.claim("test")
+    batch_services.run_item(item)
+    return Item.objects.get(pk=item.pk)
+
+
+@pytest.mark.parametrize(
+    "write, error, code",
+    [
+        (
+            lambda c: RelayKey.objects.filter(pk=c.key_obj.pk).update(enabled=False),
+            "batch: credential no longer valid: api key disabled",
+            "credential_invalid",
+        ),
+        (lambda c: Policy.objects.filter(pk=c.policy.pk).update(enabled=False), "batch: policy_unavailable", None),
+    ],
+    ids=["key-disabled", "policy-disabled"],
+)
+def test_a_batch_item_checked_with_a_held_snapshot_fails_as_before_when_the_pick_finds_it_stale(
+    catalog, fake, write, error, code
+):
+    from usage.models import UsageEvent
+
+    _batch_items(catalog, 2)
+    assert _run_next().state == "completed"  # the key's row and the policy are now cached here
+    _as_if_elsewhere(lambda: write(catalog))
+    item = _run_next()
+    assert (item.state, item.error) == ("discarded", error)
+    assert len(fake.received) == 1, "the stale pick consumed nothing: the second item never reached the provider"
+    event = UsageEvent.objects.get(request_id=str(item.pk))
+    assert event.error_kind == (code or "policy_unavailable")

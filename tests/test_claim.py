@@ -262,3 +262,16 @@ def test_a_drain_that_stops_on_an_error_hands_back_what_it_claimed_ahead(catalog
     assert ahead.hb not in services._bookkeeper().beats  # no heartbeat keeps its lease alive
     row = Item.objects.get(pk=item.pk)
     assert (row.state, row.lease_owner, row.retries) == ("available", "", 0)  # no attempt used up
+
+
+def test_the_bookkeeper_thread_outlives_errors(catalog, django_db_blocker):
+    keeper = services._bookkeeper()
+    failed = keeper.submit(lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        failed.result(timeout=30)  # handed to whoever waits for it (a drain re-raises it)
+    keeper.submit(lambda: Item.objects.count()).result(timeout=30)  # its connection is open
+    with django_db_blocker.block():  # as between two tests: connecting raises
+        # Idle (no item to beat): it may close its connection, and must not connect to decide.
+        keeper.submit(keeper._beat).result(timeout=30)
+    assert keeper.submit(lambda: "still here").result(timeout=30) == "still here"
+    assert keeper.alive() and services._bookkeeper() is keeper

@@ -35,6 +35,10 @@ LIVE_REQUEST_REDIS = 2
 # the finish with its attempt row and usage event in one statement (-4: no BEGIN/COMMIT round trips),
 # the relay key's recheck from the catalog cache (-1)
 BATCH_ITEM_RUN = 5
+# Redis round trips of one batch item: the key pick (which confirms the catalog generation the
+# credential and the policy were checked with) and the success settle. 3 while the item read the
+# generation first (issue 11).
+BATCH_ITEM_REDIS = 2
 # The drain's steady state, per item: claim (which also makes the previous finishes' completion check)
 # and the finish (made by the worker process's bookkeeper thread, on its own connection: counted too).
 # 4 before the drain left the completion check to its next claim, 3 before the relay key's recheck
@@ -114,11 +118,14 @@ def test_one_live_request(client, catalog, monkeypatch):
 
 
 @runs_items
-def test_one_batch_item_run(catalog, fake):
+def test_one_batch_item_run(catalog, fake, monkeypatch):
     native_batch(catalog, n=2)
     services.run_item(services.claim("warm"))
     n = count(lambda: services.run_item(services.claim("test-runner")))
     assert n == BATCH_ITEM_RUN
+    native_batch(catalog, n=1)
+    item = services.claim("test-runner")
+    assert redis_round_trips(lambda: services.run_item(item), monkeypatch) == BATCH_ITEM_REDIS
 
 
 def count_with_bookkeeper(fn) -> int:
