@@ -248,10 +248,10 @@ RETURNING (SELECT b.cancel_requested_at IS NOT NULL FROM batches_batch b WHERE b
 
 
 class _Bookkeeper:
-    """The worker process's database thread: it beats every registered item each interval, and runs the
-    final writes the drain hands it (`submit`: the result file, the fenced finish and its usage event),
-    in order, while the slot's next item calls out. One thread and one database connection per process,
-    beside the slot's own (the claims).
+    """The worker process's database thread: it beats every registered item each interval, and runs
+    what the drain hands it (`submit`), in order, while the slot's item calls out: each item's final
+    write (the result file, the fenced finish and its usage event) and the claim of the slot's next item
+    (`_Ahead`). One thread and one database connection per process, beside the slot's own.
 
     Measured (py-spy, wall time of the 8 slots draining at 100 ms upstream latency): the finish was
     2.6 ms of each slot's 8.4 ms between two upstream calls, time in which its next call could have
