@@ -153,8 +153,8 @@ def warm_up() -> None:
         ("database", lifecycle.warm_up),
         ("redis", lambda: get_redis().ping()),
         ("broker", _warm_broker),
-        # Inherited from the worker's parent (relay/celery.py) unless the catalog changed since: one
-        # Redis read and dictionary lookups, or the whole load again.
+        # Inherited from the worker's parent (relay/celery.py): loaded again only if the catalog changed
+        # since the fork (one Redis read otherwise).
         ("catalog", routing.warm),
         ("upstream", upstream.warm),
         ("bookkeeper", _warm_bookkeeper),
@@ -838,11 +838,15 @@ def drain(max_items: int = 500, max_seconds: float = 120.0) -> int:
 def _claim_after(owner: str, floor, writes: deque) -> Item | None:
     """The slot's own claim. It checks the completion of the batches whose handed-over writes have
     committed: all but the newest (made during the item just run: usually long done, waited for if not)."""
-    checks = _committed(writes, keep=1)
-    check = checks.pop() if checks else None
-    for batch_id in checks:  # the drain moved between batches: the claim checks only one
+    return _claim_checking(owner, floor, _committed(writes, keep=1))
+
+
+def _claim_checking(owner: str, floor, batches: list) -> Item | None:
+    """Claim, checking the completion of `batches` (their writes have committed): the last one by the
+    claim itself, any others first (the drain moved between batches: a claim checks only one)."""
+    for batch_id in batches[:-1]:
         lifecycle.complete_if_done(batch_id)
-    return claim(owner, floor, check)
+    return claim(owner, floor, batches[-1] if batches else None)
 
 
 # Claiming ahead saves the slot a claim's round trip (~2.5 ms measured at 100 ms upstream latency) per
@@ -880,9 +884,7 @@ class _Ahead:
 
     def _claim(self, owner: str, floor, batches: list):
         try:
-            for batch_id in batches[:-1]:
-                lifecycle.complete_if_done(batch_id)
-            item = claim(owner, floor, batches[-1] if batches else None)
+            item = _claim_checking(owner, floor, batches)
         except DATABASE_ERRORS:
             connection.close()  # this thread's own; the drain gives its slot back
             raise

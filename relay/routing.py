@@ -93,6 +93,8 @@ def warm() -> int:
     snap = catalog.current()
     if snap is None:  # Redis cannot tell which catalog is current: nothing can be cached
         return 0
+    if snap.policies:  # loaded already: a pool process that inherited its parent's current snapshot
+        return 0
     names = list(HostBinding.objects.order_by().values_list("model__name", flat=True).distinct()[:WARM_ROUTES])
     resolved = 0
     for policy_id in Policy.objects.filter(enabled=True).order_by("id").values_list("id", flat=True)[:WARM_POLICIES]:

@@ -26,6 +26,19 @@ def route_of(policy_id, model="gpt-4o"):
     return routing.resolve(policy, model)
 
 
+def test_a_worker_warms_every_route_once_before_its_first_item(catalog):
+    """relay.routing.warm (a Celery worker's parent, before the fork; each pool process again)."""
+    from relay import catalog as cache
+
+    cache._local_cache.clear()
+    assert routing.warm() > 0
+    with CaptureQueriesContext(connection) as ctx:
+        route = route_of(catalog.policy.id)
+        assert routing.warm() == 0  # loaded already, as in a pool process that inherited it
+    assert len(ctx.captured_queries) == 0
+    assert route.binding.upstream_name == "gpt-4o-2024-08-06"
+
+
 def test_second_request_reads_no_catalog_rows(catalog):
     route_of(catalog.policy.id)
     with CaptureQueriesContext(connection) as ctx:
