@@ -3,7 +3,10 @@
 - `dir` (default): files under RELAY_BATCH_PAYLOAD_DIR. A batch's inputs are
   one append-only file (`<batch>/input.jsonl`) and each item keeps its byte
   range, so ingesting 50,000 items is one sequential write, not 50,000 files.
-  Results are one file per item. Every replica must mount the same directory.
+  Results are appended the same way, to one file per batch and writing process
+  (`<batch>/results/<host>-<pid>-<token>.jsonl`), each result a byte range: a file
+  per result cost its inode allocation (see `write_result`). Every replica must
+  mount the same directory.
 - `db`: rows in PostgreSQL (`Payload`), which every replica sees: the choice for
   several replicas without a shared volume.
 
@@ -17,9 +20,13 @@ stay readable after the setting changes. A missing payload raises
 PayloadMissing, which fails the item with `load input` — never silently.
 """
 
+import contextlib
 import logging
 import os
+import secrets
 import shutil
+import socket
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -105,16 +112,77 @@ def input_writer(batch_id: str):
 
 
 def write_result(batch_id: str, item_id: str, data: bytes) -> str:
+    """Store an item's result; returns its ref. `dir`: appended to this process's results file of the
+    batch (a byte range, as inputs are). Was one file per result (a temporary file, then a rename):
+    perf showed the inode allocation of that `open(O_CREAT)` (ext4's `find_inode_bit` →
+    `recently_deleted`) as ~1.3 ms of CPU per item at 100 ms upstream latency, a quarter of the relay's
+    whole cost per item. As before, nothing is fsynced here: the item's finish commits after this
+    returns, and a result whose finish never commits is left unreferenced in the file (a retry appends
+    its own), deleted with the batch."""
     if backend() == "db":
         key = f"{batch_id}/out/{item_id}"
         Payload.objects.update_or_create(key=key, defaults={"data": data})
         return f"db:{key}"
-    path = _root() / batch_id / "results"
-    path.mkdir(parents=True, exist_ok=True)
-    tmp = path / f"{item_id}.json.tmp"
-    tmp.write_bytes(data)
-    os.replace(tmp, path / f"{item_id}.json")  # atomic: a reader never sees half a result
-    return f"file:{batch_id}/results/{item_id}.json"
+    return _segments.append(batch_id, data)
+
+
+class _ResultSegments:
+    """This process's open results files, one per batch, appended by one writer at a time (the lock:
+    the batch worker's bookkeeper thread writes them, other threads rarely). The file's name is this
+    process's own, so no other process ever appends to it and the offset kept here is the file's end.
+    At most MAX_OPEN stay open (the oldest is closed first); a file found unlinked (its batch was
+    deleted meanwhile) or a failed write makes the next append reopen and read the end again."""
+
+    MAX_OPEN = 32
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.pid: int | None = None
+        self.name = ""
+        self.open: dict[str, list] = {}  # batch id -> [fd, end offset, ref prefix]
+
+    def append(self, batch_id: str, data: bytes) -> str:
+        with self.lock:
+            seg = self._segment(batch_id)
+            fd, offset, prefix = seg
+            try:
+                view = memoryview(data + b"\n")
+                while view:
+                    view = view[os.write(fd, view) :]
+            except OSError:
+                self._close(batch_id)  # what was written of this one is left unreferenced
+                raise
+            seg[1] = offset + len(data) + 1
+            return f"{prefix}{offset}:{len(data)}"
+
+    def _segment(self, batch_id: str) -> list:
+        if self.pid != os.getpid():  # a forked child: the parent's descriptors and name are not its own
+            for batch in list(self.open):
+                self._close(batch)
+            self.pid = os.getpid()
+            host = "".join(c if c.isalnum() or c in "._-" else "_" for c in socket.gethostname())[:60]
+            self.name = f"{host}-{self.pid}-{secrets.token_hex(4)}.jsonl"
+        seg = self.open.get(batch_id)
+        if seg is not None:
+            if os.fstat(seg[0]).st_nlink:
+                return seg
+            self._close(batch_id)  # the batch's directory was deleted under it
+        if len(self.open) >= self.MAX_OPEN:
+            self._close(next(iter(self.open)))
+        folder = _root() / batch_id / "results"
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(folder / self.name, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+        seg = self.open[batch_id] = [fd, os.fstat(fd).st_size, f"file:{batch_id}/results/{self.name}#"]
+        return seg
+
+    def _close(self, batch_id: str) -> None:
+        seg = self.open.pop(batch_id, None)
+        if seg is not None:
+            with contextlib.suppress(OSError):
+                os.close(seg[0])
+
+
+_segments = _ResultSegments()
 
 
 def read(ref: str) -> bytes:
@@ -135,10 +203,7 @@ def read(ref: str) -> bytes:
                 fh.seek(offset)
                 data = fh.read(length)
         except OSError as exc:
-            log.warning("payload %s not found under %s", rel, _root())  # the path is for operators only
-            raise PayloadMissing(
-                f"payload {rel} not found in the payload store (is RELAY_BATCH_PAYLOAD_DIR shared by every replica?)"
-            ) from exc
+            raise _missing(rel) from exc
         if len(data) != length:
             raise PayloadMissing(f"payload {rel} is truncated")
         return data
@@ -148,21 +213,25 @@ def read(ref: str) -> bytes:
 def read_many(refs: list[str]) -> list:
     """`read()` of many refs at once, in order: each entry is the payload's bytes or the PayloadMissing
     that read() would raise. For the results of a 50,000-item batch: `db:` refs are fetched in one
-    query, whole-file `file:` refs with four system calls each (no pathlib, no buffered file object).
-    """
+    query, whole-file `file:` refs with four system calls each (no pathlib, no buffered file object), and
+    byte ranges with one `pread` each, every file they share opened once."""
     out: list = [None] * len(refs)
     db_keys: dict[str, list[int]] = {}
     root = os.fsencode(_root()) + b"/"
-    for i, ref in enumerate(refs):
-        if ref.startswith("db:"):
-            db_keys.setdefault(ref[3:], []).append(i)
-        elif ref.startswith("file:") and "#" not in ref:
-            out[i] = _read_whole(root, ref)
-        else:
-            try:
-                out[i] = read(ref)
-            except PayloadMissing as exc:
-                out[i] = exc
+    spans = _Spans(root)
+    try:
+        for i, ref in enumerate(refs):
+            if ref.startswith("db:"):
+                db_keys.setdefault(ref[3:], []).append(i)
+            elif ref.startswith("file:"):
+                out[i] = _read_whole(root, ref) if "#" not in ref else spans.read(ref)
+            else:
+                try:
+                    out[i] = read(ref)
+                except PayloadMissing as exc:
+                    out[i] = exc
+    finally:
+        spans.close()
     if db_keys:
         found = dict(Payload.objects.filter(key__in=list(db_keys)).values_list("key", "data"))
         for key, positions in db_keys.items():
@@ -172,6 +241,88 @@ def read_many(refs: list[str]) -> list:
                     PayloadMissing(f"payload db:{key} not found in the database store") if data is None else bytes(data)
                 )
     return out
+
+
+def read_input(ref: str) -> bytes:
+    """`read()` for the batch runner's item inputs: byte ranges of the batch's input file are read with
+    one `pread` on a descriptor this thread keeps open (until `close_inputs()`, which the drain calls at
+    its end), not open/fstat/seek/read/close per item. Input files never change once written."""
+    if not ref.startswith("file:") or "#" not in ref:
+        return read(ref)
+    root = os.fsencode(_root()) + b"/"
+    spans = getattr(_inputs, "spans", None)
+    if spans is None or spans.root != root:
+        close_inputs()
+        spans = _inputs.spans = _Spans(root)
+    data = spans.read(ref)
+    if isinstance(data, PayloadMissing):
+        spans.forget(ref)  # not kept: the next item of that batch looks again
+        raise data
+    return data
+
+
+def close_inputs() -> None:
+    spans = getattr(_inputs, "spans", None)
+    _inputs.spans = None
+    if spans is not None:
+        spans.close()
+
+
+_inputs = threading.local()
+
+
+class _Spans:
+    """Byte-range refs (`file:<rel>#<offset>:<length>`) read with `os.pread`, each file opened once
+    (at most MAX_OPEN at a time)."""
+
+    MAX_OPEN = 16
+
+    def __init__(self, root: bytes):
+        self.root = root
+        self.fds: dict[str, int | PayloadMissing] = {}
+
+    def forget(self, ref: str) -> None:
+        fd = self.fds.pop(ref[5:].partition("#")[0], None)
+        if isinstance(fd, int):
+            os.close(fd)
+
+    def read(self, ref: str):
+        rel, _, span = ref[5:].partition("#")
+        try:
+            offset, length = (int(x) for x in span.split(":"))
+        except ValueError:
+            return PayloadMissing(f"unknown payload ref {ref!r}")
+        fd = self.fds.get(rel)
+        if fd is None:
+            if len(self.fds) >= self.MAX_OPEN:
+                self.close()
+            try:
+                fd = os.open(self.root + os.fsencode(rel), os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                fd = _missing(rel)
+            self.fds[rel] = fd
+        if isinstance(fd, PayloadMissing):
+            return fd
+        try:
+            data = os.pread(fd, length, offset)
+        except OSError:
+            return _missing(rel)
+        if len(data) != length:
+            return PayloadMissing(f"payload {rel} is truncated")
+        return data
+
+    def close(self) -> None:
+        fds, self.fds = self.fds, {}
+        for fd in fds.values():
+            if isinstance(fd, int):
+                os.close(fd)
+
+
+def _missing(rel: str) -> PayloadMissing:
+    log.warning("payload %s not found under %s", rel, _root())  # the path is for operators only
+    return PayloadMissing(
+        f"payload {rel} not found in the payload store (is RELAY_BATCH_PAYLOAD_DIR shared by every replica?)"
+    )
 
 
 def _read_whole(root: bytes, ref: str):
@@ -185,10 +336,7 @@ def _read_whole(root: bytes, ref: str):
         finally:
             os.close(fd)
     except OSError:
-        log.warning("payload %s not found under %s", rel, _root())  # the path is for operators only
-        return PayloadMissing(
-            f"payload {rel} not found in the payload store (is RELAY_BATCH_PAYLOAD_DIR shared by every replica?)"
-        )
+        return _missing(rel)
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
