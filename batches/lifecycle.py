@@ -40,8 +40,10 @@ Work is handed to Celery by task name (`hand_off`, `wake_workers`), never by
 importing `batches.tasks`, so nothing in `batches/` imports in a circle.
 """
 
+import hashlib
 import logging
 import os
+import re
 import time
 import weakref
 from collections.abc import Callable, Iterable
@@ -549,14 +551,18 @@ def finish_item_at_once(
         f"fin AS (UPDATE {qn(opts.db_table)} SET {assign} "
         "WHERE id = %s AND state = %s AND lease_owner = %s AND attempt = %s RETURNING 1)"
     ]
-    for i, (sql, values) in enumerate(_row_inserts(rows, " FROM fin")):
+    for i, (sql, values) in enumerate(_row_inserts(rows, " FROM fin", typed=True)):
         parts.append(f"w{i} AS ({sql})")
         params += values
-    sql = "WITH " + ",\n".join(parts) + "\nSELECT count(*) FROM fin"
+    name, prepare, execute = _finish_statement("WITH " + ",\n".join(parts) + "\nSELECT count(*) FROM fin", len(params))
 
     def write() -> bool:
         with connection.cursor() as cursor:
-            cursor.execute(sql, params)
+            prepared = _prepared_on.setdefault(connection.connection, set())
+            if name not in prepared:
+                cursor.execute(prepare)  # PREPARE is not undone by a rollback: once per connection
+                prepared.add(name)
+            cursor.execute(execute, params)
             won = cursor.fetchone()[0] > 0
         if won and check_done:
             batch_id = item.batch_id
@@ -566,14 +572,57 @@ def finish_item_at_once(
     return durably(write)
 
 
-def _row_inserts(rows, source: str):
-    """INSERT … SELECT <values>[ FROM fin] per row; usage events ON CONFLICT DO NOTHING."""
+def _finish_statement(sql: str, n: int) -> tuple[str, str, str]:
+    """(name, PREPARE, EXECUTE) of a finish statement written with `n` %s parameters. A server-side
+    prepared statement, as the claims are: the finish's text (an UPDATE and two INSERTs, ~60 columns)
+    was parsed, analysed and planned at every item (perf of the PostgreSQL backends: `base_yyparse`
+    and the planner among their top symbols). Its shapes are few (the fields a final state sets, the
+    number of usage events); the name is the text's digest, the same in every process and thread."""
+    statement = _finish_statements.get(sql)
+    if statement is None:
+        name = "relay_finish_" + hashlib.blake2b(sql.encode(), digest_size=10).hexdigest()
+        pieces = sql.split("%s")
+        if len(pieces) != n + 1:
+            raise ValueError(f"finish statement: {len(pieces) - 1} placeholders for {n} parameters")
+        body = pieces[0] + "".join(f"${i}{piece}" for i, piece in enumerate(pieces[1:], 1))
+        execute = f"EXECUTE {name}({', '.join(['%s'] * n)})"
+        statement = (name, f"PREPARE {name} AS {body}", execute)
+        if len(_finish_statements) < 256:  # shapes, not items: a bound that is never reached
+            _finish_statements[sql] = statement
+    return statement
+
+
+_finish_statements: dict[str, tuple[str, str, str]] = {}
+_column_types: dict = {}
+
+
+def _types_of(table: str, columns: list[str]) -> list[str]:
+    """The columns' types, for the casts of a prepared INSERT … SELECT (whose parameters have no column
+    to take a type from). Without a length: a cast to varchar(n) would cut a longer value silently,
+    where the column itself refuses it."""
+    key = (table, tuple(columns))
+    types = _column_types.get(key)
+    if types is None:
+        from django.apps import apps
+
+        model = next(m for m in apps.get_models() if m._meta.db_table == table)
+        by_column = {f.column: f for f in model._meta.concrete_fields}
+        types = _column_types[key] = [re.sub(r"\(\d+\)$", "", by_column[c].db_type(connection)) for c in columns]
+    return types
+
+
+def _row_inserts(rows, source: str, typed: bool = False):
+    """INSERT … SELECT <values>[ FROM fin] per row; usage events ON CONFLICT DO NOTHING. `typed`: each
+    value cast to its column's type (a prepared statement's)."""
     from usage.models import UsageEvent
 
     qn = connection.ops.quote_name
     for table, columns, values in rows:
         cols = ", ".join(qn(c) for c in columns)
-        marks = ", ".join(["%s"] * len(values))
+        if typed:
+            marks = ", ".join(f"%s::{t}" for t in _types_of(table, columns))
+        else:
+            marks = ", ".join(["%s"] * len(values))
         conflict = " ON CONFLICT DO NOTHING" if table == UsageEvent._meta.db_table else ""
         yield f"INSERT INTO {qn(table)} ({cols}) SELECT {marks}{source}{conflict}", list(values)
 
