@@ -164,20 +164,51 @@ def _own(conn) -> None:
             _shutdown(watch)
 
 
-class _WatchedHTTPConnection(HTTPConnection):
+class _OneSend:
+    """The request's header block and its body in one `sendall`, not two (urllib3 sends the headers at
+    `endheaders()`, then the body): one system call less per call, and the provider's side reads one
+    segment. (http.client joins them itself only when it is handed the body at `endheaders`.)"""
+
     _relay_watch = None
+    _relay_held: bytes | None = None
+    _relay_holding = False
 
     def request(self, *args, **kwargs):
         _own(self)
-        return super().request(*args, **kwargs)
+        try:
+            return super().request(*args, **kwargs)
+        finally:
+            self._relay_holding = False
+            held, self._relay_held = self._relay_held, None
+            if held is not None:  # no body followed the headers
+                super().send(held)
+
+    def endheaders(self, *args, **kwargs):
+        self._relay_holding = True
+        try:
+            return super().endheaders(*args, **kwargs)
+        finally:
+            self._relay_holding = False
+
+    def send(self, data):
+        if self._relay_holding and self._relay_held is None and isinstance(data, bytes):
+            self._relay_held = data  # the header block, sent with the first piece of the body
+            return
+        held, self._relay_held = self._relay_held, None
+        if held is not None:
+            if isinstance(data, bytes | bytearray):
+                data = held + data
+            else:
+                super().send(held)
+        super().send(data)
 
 
-class _WatchedHTTPSConnection(HTTPSConnection):
-    _relay_watch = None
+class _WatchedHTTPConnection(_OneSend, HTTPConnection):
+    pass
 
-    def request(self, *args, **kwargs):
-        _own(self)
-        return super().request(*args, **kwargs)
+
+class _WatchedHTTPSConnection(_OneSend, HTTPSConnection):
+    pass
 
 
 class _HTTPPool(HTTPConnectionPool):
@@ -342,11 +373,16 @@ def _do_post(url: str, headers: dict, body: bytes, deadline: float) -> UpstreamR
 
 
 def _cap_socket_timeout(resp, deadline: float) -> None:
-    """Cap the next socket read at the time left, so a stalled body cannot outlive the deadline."""
+    """Cap the next socket read at the time left, so a stalled body cannot outlive the deadline. Only
+    when the time left is shorter than the socket's timeout already is: `settimeout` is a system call
+    (fcntl), and the call's start set it to min(read timeout, time left) already."""
     conn = getattr(resp.raw, "_connection", None)
     sock = getattr(conn, "sock", None)
     if isinstance(sock, socket.socket):
-        sock.settimeout(min(settings.RELAY_UPSTREAM_READ_TIMEOUT, max(0.01, deadline - time.monotonic())))
+        left = max(0.01, deadline - time.monotonic())
+        current = sock.gettimeout()
+        if current is None or left < current:
+            sock.settimeout(min(settings.RELAY_UPSTREAM_READ_TIMEOUT, left))
 
 
 def _is_connect_failure(exc: Exception) -> bool:

@@ -138,3 +138,26 @@ def test_no_thread_per_call(raw):
         upstream.call(srv.url, {}, b"{}", deadline=time.monotonic() + 10)
     # No thread started by the calls (another test's leftover thread may end meanwhile: not counted).
     assert set(threading.enumerate()) - before == set()
+
+
+def test_a_request_is_one_send_headers_and_body_together(raw, monkeypatch):
+    """One `sendall` per call (urllib3 alone sends the header block, then the body)."""
+    import http.client
+
+    srv = raw("fast")
+    upstream.call(srv.url, {}, b"{}", deadline=time.monotonic() + 10)  # connected: the count is a call's
+    sends = []
+    real = http.client.HTTPConnection.send
+
+    def counting(self, data):
+        sends.append(bytes(data))
+        return real(self, data)
+
+    monkeypatch.setattr(http.client.HTTPConnection, "send", counting)
+    body = b'{"model": "m", "messages": []}'
+    resp = upstream.call(srv.url, {"X-Test": "1"}, body, deadline=time.monotonic() + 10)
+    assert resp.status == 200 and srv.requests == 2
+    assert len(sends) == 1
+    head, _, sent_body = sends[0].partition(b"\r\n\r\n")
+    assert head.startswith(b"POST /v1/chat/completions HTTP/1.1") and b"X-Test: 1" in head
+    assert sent_body == body
