@@ -29,6 +29,7 @@ from batches.models import Attempt, Batch, BatchStatus, Item, ItemState, Shape, 
 from batches.outcomes import Code
 from batches.tools import config as tools_config
 from batches.tools.loop import run_tool_loop
+from policies import lua
 from relay import auth, catalog, jsonguard, pipeline, routing, upstream
 from relay.errors import RelayError
 from usage.pricing import with_batch_price
@@ -500,7 +501,7 @@ def _execute(batch: Batch, item: Item, principal, deadline: float, hb: Heartbeat
     if policy is None or not policy.enabled:
         return _policy_gone()
     try:
-        body = jsonguard.loads(storage.read(item.input_ref))  # a ValueError: NUL, surrogates, depth (issue 12)
+        body = jsonguard.loads(storage.read_input(item.input_ref))  # a ValueError: NUL, surrogates, depth (issue 12)
     except storage.PayloadMissing as exc:
         return _Run(failure=f"batch: load input: {exc}", code=Code.INVALID_ITEM)
     except ValueError as exc:
@@ -776,7 +777,18 @@ def drain(max_items: int = 500, max_seconds: float = 120.0) -> int:
     upstream call to the next without a database round trip in between. A batch's completion is
     checked by the first claim made after its item's write committed (`claim(check=…)`: no statement
     of its own), and for what is left, when the drain ends.
+
+    An item's success settle goes to Redis with the next item's key pick (`lua.deferring`), and the
+    batch's input file stays open for the drain (`storage.read_input`).
     """
+    with lua.deferring():
+        try:
+            return _drain(max_items, max_seconds)
+        finally:
+            storage.close_inputs()
+
+
+def _drain(max_items: int, max_seconds: float) -> int:
     owner = f"{worker_id()}:{uuid.uuid4().hex[:8]}"
     hand_over = _hand_over()
     started, done, floor = time.monotonic(), 0, None

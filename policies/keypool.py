@@ -266,7 +266,8 @@ def settle_success(key_hash: str, reservations, *, input_tokens: int = 0, output
         k, a = reservation.take_settle(charges)
         keys += k
         args += a
-    lua.run(_SUCCESS_LUA, keys, args)
+    # Nobody waits for its answer: in a batch slot (`lua.deferring`) it travels with the next pick.
+    lua.run_later(_SUCCESS_LUA, keys, args)
 
 
 def pick(policy, candidates: list, *, max_picks: int, catalog_gen: str = "") -> Picks:

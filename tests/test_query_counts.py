@@ -39,6 +39,8 @@ BATCH_ITEM_RUN = 5
 # credential and the policy were checked with) and the success settle. 3 while the item read the
 # generation first (issue 11).
 BATCH_ITEM_REDIS = 2
+# In a drain, per item: the key pick, which carries the previous item's success settle (policies.lua.deferring).
+DRAIN_ITEM_REDIS = 1
 # The drain's steady state, per item: claim (which also makes the previous finishes' completion check)
 # and the finish (made by the worker process's bookkeeper thread, on its own connection: counted too).
 # 4 before the drain left the completion check to its next claim, 3 before the relay key's recheck
@@ -151,11 +153,15 @@ def test_the_drain_per_item(catalog, fake, monkeypatch, settings, claim_ahead):
     monkeypatch.setattr(services, "CLAIM_AHEAD_MAX_ITEM_S", 3600)
     monkeypatch.setattr(lifecycle, "pass_on", lambda: False)  # Redis only; keep no wake-up queued
     monkeypatch.setattr(lifecycle, "wake_workers", lambda known_work=False: 0)
-    batch = native_batch(catalog, n=14)
+    batch = native_batch(catalog, n=17)
     services.drain(max_items=3)  # warm: first-use caches (and both threads' prepared claims) are not pinned
     three = count_with_bookkeeper(lambda: services.drain(max_items=3))
     six = count_with_bookkeeper(lambda: services.drain(max_items=6))
     assert (six - three) / 3 == DRAIN_PER_ITEM
+    # Redis: one round trip per item, the key pick carrying the previous item's success settle.
+    one = redis_round_trips(lambda: services.drain(max_items=1), monkeypatch)
+    two = redis_round_trips(lambda: services.drain(max_items=2), monkeypatch)
+    assert two - one == DRAIN_ITEM_REDIS
     assert services.drain() == 2  # the last two, then the claim that finds none; the end completes the batch
     batch.refresh_from_db()
     assert batch.status == "completed"
@@ -202,3 +208,12 @@ def test_files_list_and_retrieve(client, catalog):
     listed = count(lambda: client.get("/v1/files", headers=bearer(catalog)))
     one = count(lambda: client.get(f"/v1/files/{file_id}", headers=bearer(catalog)))
     assert (listed, one) == (FILES_LIST, FILE_RETRIEVE)
+
+
+def test_the_finish_statement_casts_to_column_types_without_their_lengths():
+    """The prepared finish casts its INSERT values (no column gives them a type); a cast to varchar(64)
+    would cut a longer value where the column refuses it."""
+    from batches import lifecycle
+
+    types = lifecycle._types_of("usage_usageevent", ["request_id", "ts", "status", "input_tokens"])
+    assert types == ["varchar", "timestamp with time zone", "smallint", "bigint"]
