@@ -5,8 +5,9 @@ that is enforced even against an upstream that drips bytes forever.
 
 The request runs on the caller's own thread over a keep-alive connection from a
 per-process pool (one `requests.Session`, pools per host). No thread per call:
-one watchdog thread per process looks at every call in flight each `_POLL`
-seconds, and when a call's cancel callback says stop or its deadline passes it
+one watchdog thread per process looks at every call in flight (at the nearest
+deadline, at `poke()`, and each `_CANCEL_POLL` seconds for cancel callbacks),
+and when a call's cancel callback says stop or its deadline passes it
 shuts the call's socket down (`shutdown(SHUT_RDWR)`). The blocked read in the
 caller's thread returns at once, the connection is closed (never handed back to
 the pool), and only then does `call()` raise `cancelled` / `timeout`: the
@@ -16,24 +17,35 @@ provider sees the connection end, and no request outlives its caller.
 thread-safe (the batch runner's is a flag read).
 """
 
+import math
 import os
 import socket
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 import requests
 from django.conf import settings
 from requests.adapters import HTTPAdapter
-from requests.structures import CaseInsensitiveDict
 from requests.utils import default_user_agent
+from urllib3 import Timeout
 from urllib3.connection import HTTPConnection, HTTPSConnection
 from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
+from urllib3.exceptions import (
+    ConnectTimeoutError,
+    HTTPError,
+    MaxRetryError,
+    NewConnectionError,
+    ReadTimeoutError,
+    SSLError,
+)
 
 MAX_RESPONSE_BYTES = 64 * 1024 * 1024
 _CHUNK = 64 * 1024
-_POLL = 0.1  # seconds between the watchdog's cancel/deadline checks
+_POLL = 0.1  # seconds between the watchdog's looks while a stopped call has not ended yet
+_CANCEL_POLL = 1.0  # seconds between looks at cancel callbacks nobody `poke`s
 
 
 @dataclass
@@ -76,6 +88,8 @@ class _Watch:
 
 _lock = threading.Condition()
 _watches: set[_Watch] = set()
+_wake_at = 0.0  # when the watchdog looks next (time.monotonic(); inf: when a call is registered)
+_poked = False
 _local = threading.local()
 _watchdog_pid: int | None = None
 
@@ -94,12 +108,16 @@ def _shutdown(watch: _Watch) -> None:
 
 
 def _watchdog() -> None:
+    global _poked, _wake_at
     while True:
         with _lock:
             while not _watches:
+                _wake_at = math.inf
                 _lock.wait()
             watches = list(_watches)
+            _poked = False
         now = time.monotonic()
+        stopping = False
         for watch in watches:
             reason = watch.reason
             if reason is None:
@@ -115,18 +133,37 @@ def _watchdog() -> None:
                 with _lock:
                     if watch in _watches:
                         watch.reason = reason
+                        stopping = True
                         # Repeated every tick until the caller unregisters: a call that was
                         # still connecting when stopped gets its socket shut on the next tick.
                         _shutdown(watch)
-        nearest = min((w.deadline for w in watches), default=now + _POLL)
-        time.sleep(max(0.005, min(_POLL, nearest - time.monotonic())))
+        with _lock:
+            # Next look: at the nearest deadline; every _POLL while a stopped call has not ended; every
+            # _CANCEL_POLL while a call has a cancel callback (at once when `poke`d). Registering a call
+            # with an earlier deadline wakes it. Was every _POLL while any call was in flight: about one
+            # wake-up per batch item at 100 ms upstream latency.
+            poll = _POLL if stopping else _CANCEL_POLL if any(w.cancel is not None for w in _watches) else math.inf
+            _wake_at = min(min((w.deadline for w in _watches), default=math.inf), time.monotonic() + poll)
+            if not _poked and _watches:
+                _lock.wait(max(0.005, _wake_at - time.monotonic()) if _wake_at < math.inf else None)
+
+
+def poke() -> None:
+    """A call's cancel callback may say stop now: the watchdog looks at once, not at its next poll (the
+    batch runner's heartbeat calls this when it finds its item cancelled or its lease lost)."""
+    global _poked
+    with _lock:
+        _poked = True
+        _lock.notify()
 
 
 def _register(watch: _Watch) -> None:
     with _lock:
         _start_watchdog()
         _watches.add(watch)
-        _lock.notify()
+        due = watch.deadline if watch.cancel is None else min(watch.deadline, time.monotonic() + _CANCEL_POLL)
+        if due < _wake_at:  # sooner than the watchdog's next look (or it waits for a call)
+            _lock.notify()
 
 
 def _start_watchdog() -> None:
@@ -293,54 +330,83 @@ def _stopped(watch: _Watch) -> UpstreamError:
 # Sent with every call. `identity`: the answer is read as raw bytes and passed on as it came,
 # so it must not come compressed (requests' default would have asked for gzip).
 _BASE_HEADERS = {"User-Agent": default_user_agent(), "Accept-Encoding": "identity", "Connection": "keep-alive"}
-_NO_PROXIES: dict = {}
-_prepared_urls: dict[str, str] = {}  # an upstream URL -> requests' prepared (quoted, IDNA) form
+_BASE_NAMES = {name.lower(): name for name in _BASE_HEADERS}
 
 
-def _prepare(url: str, headers: dict, body: bytes) -> requests.PreparedRequest:
-    """The request as requests' own `Session.request` would prepare it for this call, without its
-    per-call merging of session settings, cookies, proxies from the environment and hooks (about a
-    third of the relay's CPU per call in a profile): the session has none of them. The URL is
-    prepared once per distinct URL."""
-    req = requests.PreparedRequest()
-    prepared_url = _prepared_urls.get(url)
-    if prepared_url is None:
+@dataclass(frozen=True)
+class _Target:
+    """An upstream URL as requests prepares it (quoted, IDNA host), split for its connection pool."""
+
+    scheme: str
+    host: str
+    port: int | None
+    path: str  # with the query, what the request line carries
+
+
+_targets: dict[str, _Target] = {}  # operator-configured hosts x a handful of paths
+
+
+def _target(url: str) -> _Target:
+    target = _targets.get(url)
+    if target is None:
+        req = requests.PreparedRequest()
         req.prepare_url(url, None)
-        if len(_prepared_urls) < 4096:  # operator-configured hosts x a handful of paths
-            _prepared_urls[url] = req.url
-    else:
-        req.url = prepared_url
-    req.method = "POST"
-    req.headers = CaseInsensitiveDict(_BASE_HEADERS)
-    req.headers.update(headers)
-    req.headers["Content-Length"] = str(len(body))
-    req.body = body
-    return req
+        parsed = urlsplit(req.url)
+        target = _Target(parsed.scheme.lower(), parsed.hostname, parsed.port, req.path_url)
+        if len(_targets) < 4096:
+            _targets[url] = target
+    return target
+
+
+def _pool(session: requests.Session, url: str, target: _Target):
+    """The keep-alive pool for the URL's host, from the session's adapter, set up for TLS as requests'
+    own `HTTPAdapter.send` sets it up (certificate verification against the session's CA bundle)."""
+    adapter = session.get_adapter(url)
+    pool_kwargs = {"cert_reqs": "CERT_REQUIRED" if session.verify is not False else "CERT_NONE"}
+    pool = adapter.poolmanager.connection_from_host(target.host, target.port, target.scheme, pool_kwargs=pool_kwargs)
+    if target.scheme == "https" and not getattr(pool, "_relay_verified", False):
+        adapter.cert_verify(pool, url, session.verify, session.cert)  # once per pool: it reads the disk
+        pool._relay_verified = True
+    return adapter, pool
+
+
+def _headers(headers: dict, length: int) -> dict:
+    """The base headers, the caller's (a caller's name replaces a base one whatever its case), the length."""
+    out = dict(_BASE_HEADERS)
+    for name, value in headers.items():
+        base = _BASE_NAMES.get(name.lower())
+        if base is not None:
+            del out[base]
+        out[name] = value
+    out["Content-Length"] = str(length)
+    return out
 
 
 def _do_post(url: str, headers: dict, body: bytes, deadline: float) -> UpstreamResponse:
+    """The POST through urllib3's pool under requests' adapter: what `HTTPAdapter.send` does for it
+    (the pool chosen by host and TLS settings, verification set up, no retries, no redirects, raw body),
+    without building a requests `PreparedRequest` and `Response` per call (cookie jar, hooks, header
+    dicts). Measured on this machine: adapter.send ~330 us of CPU per call, this ~200 us; http.client
+    alone ~130 us."""
     read_timeout = min(settings.RELAY_UPSTREAM_READ_TIMEOUT, max(0.01, deadline - time.monotonic()))
     try:
-        session = _shared_session()
-        resp = session.get_adapter(url).send(
-            _prepare(url, headers, body),
-            stream=True,
-            timeout=(settings.RELAY_UPSTREAM_CONNECT_TIMEOUT, read_timeout),
-            verify=session.verify,
-            cert=session.cert,
-            proxies=_NO_PROXIES,
+        target = _target(url)
+        adapter, pool = _pool(_shared_session(), url, target)
+        resp = pool.urlopen(
+            "POST",
+            target.path,
+            body=body,
+            headers=_headers(headers, len(body)),
+            redirect=False,
+            assert_same_host=False,
+            preload_content=False,
+            decode_content=False,
+            retries=adapter.max_retries,
+            timeout=Timeout(connect=settings.RELAY_UPSTREAM_CONNECT_TIMEOUT, read=read_timeout),
+            chunked=False,
         )
-    except requests.exceptions.ConnectTimeout as exc:
-        raise UpstreamError("unreachable", f"connect timeout: {exc}") from exc
-    except requests.exceptions.ConnectionError as exc:
-        # requests reports refused/DNS failures and mid-response resets alike;
-        # a failure to establish the connection is "unreachable".
-        kind = "unreachable" if _is_connect_failure(exc) else "network"
-        raise UpstreamError(kind, f"{type(exc).__name__}: {exc}") from exc
-    except requests.exceptions.Timeout as exc:
-        raise UpstreamError("network", f"read timeout: {exc}") from exc
-    except requests.exceptions.RequestException as exc:
-        raise UpstreamError("network", f"{type(exc).__name__}: {exc}") from exc
+    except (HTTPError, OSError, ValueError) as exc:
+        raise _failure(exc) from exc
     complete = False
     try:
         chunks, size = [], 0
@@ -348,7 +414,7 @@ def _do_post(url: str, headers: dict, body: bytes, deadline: float) -> UpstreamR
             if time.monotonic() >= deadline:
                 raise UpstreamError("timeout", "upstream call exceeded its deadline")
             _cap_socket_timeout(resp, deadline)
-            chunk = resp.raw.read1(_CHUNK) if hasattr(resp.raw, "read1") else resp.raw.read(_CHUNK)
+            chunk = resp.read1(_CHUNK)
             if not chunk:
                 break
             size += len(chunk)
@@ -364,19 +430,32 @@ def _do_post(url: str, headers: dict, body: bytes, deadline: float) -> UpstreamR
         watch = getattr(_local, "watch", None)
         if complete and (watch is None or watch.reason is None):
             # The whole answer was read: the connection goes back to the pool (keep-alive).
-            resp.raw.release_conn()
+            resp.release_conn()
         else:
             # Anything else (stopped, broken, too large): close it, never reuse it.
-            resp.raw.close()
-        resp.close()
-    return UpstreamResponse(status=resp.status_code, headers=dict(resp.headers), body=b"".join(chunks))
+            resp.close()
+    return UpstreamResponse(status=resp.status, headers=dict(resp.headers), body=b"".join(chunks))
+
+
+def _failure(exc: Exception) -> UpstreamError:
+    """urllib3's exception as the call's failure, sorted as requests sorts it (`HTTPAdapter.send`): a
+    connection never made (refused, DNS, TLS, connect timeout) is `unreachable`; anything after is
+    `network`."""
+    reason = exc.reason if isinstance(exc, MaxRetryError) and exc.reason is not None else exc
+    if isinstance(reason, ConnectTimeoutError) and not isinstance(reason, NewConnectionError):
+        return UpstreamError("unreachable", f"connect timeout: {exc}")
+    if isinstance(reason, NewConnectionError | SSLError) or _is_connect_failure(reason):
+        return UpstreamError("unreachable", f"{type(reason).__name__}: {exc}")
+    if isinstance(reason, ReadTimeoutError):
+        return UpstreamError("network", f"read timeout: {exc}")
+    return UpstreamError("network", f"{type(reason).__name__}: {exc}")
 
 
 def _cap_socket_timeout(resp, deadline: float) -> None:
     """Cap the next socket read at the time left, so a stalled body cannot outlive the deadline. Only
     when the time left is shorter than the socket's timeout already is: `settimeout` is a system call
     (fcntl), and the call's start set it to min(read timeout, time left) already."""
-    conn = getattr(resp.raw, "_connection", None)
+    conn = getattr(resp, "_connection", None)
     sock = getattr(conn, "sock", None)
     if isinstance(sock, socket.socket):
         left = max(0.01, deadline - time.monotonic())

@@ -11,6 +11,8 @@ import pytest
 
 from relay import upstream
 
+pytest_plugins = ["tests.tls.fixtures"]
+
 OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
 
 
@@ -161,3 +163,68 @@ def test_a_request_is_one_send_headers_and_body_together(raw, monkeypatch):
     head, _, sent_body = sends[0].partition(b"\r\n\r\n")
     assert head.startswith(b"POST /v1/chat/completions HTTP/1.1") and b"X-Test: 1" in head
     assert sent_body == body
+
+
+def test_https_verifies_the_provider_certificate(_https_executor, test_pki, monkeypatch):
+    """The call goes through urllib3's pool under requests' adapter, set up for TLS as requests sets it
+    up: a certificate the session's CA bundle does not vouch for is refused (unreachable, nothing
+    sent); with the CA trusted the call is made, over one kept-alive connection, SNI included."""
+    _https_executor.reset()
+    body = b'{"tool_calls": []}'
+    with pytest.raises(upstream.UpstreamError) as info:
+        upstream.call(_https_executor.url(), {}, body, deadline=time.monotonic() + 10)
+    assert info.value.kind == "unreachable" and "SSLError" in info.value.message
+    assert _https_executor.received == []
+
+    session = upstream._shared_session()
+    monkeypatch.setattr(session, "verify", str(test_pki.ca_cert))
+    session.get_adapter("https://").poolmanager.clear()  # the refusing pool is not reused
+    for _ in range(2):
+        resp = upstream.call(_https_executor.url(), {"X-Test": "1"}, body, deadline=time.monotonic() + 10)
+        assert resp.status == 200 and b"results" in resp.body
+    assert [r["headers"]["X-Test"] for r in _https_executor.received] == ["1", "1"]
+    assert _https_executor.received[0]["sni"] == "localhost"
+    session.get_adapter("https://").poolmanager.clear()
+
+
+def test_poke_has_a_cancel_seen_without_waiting_for_the_poll(raw, monkeypatch):
+    """The watchdog looks at cancel callbacks when poked (the batch heartbeat pokes when it finds its
+    item cancelled); with the poll pushed out of reach, only the poke can stop this call before its
+    deadline."""
+    monkeypatch.setattr(upstream, "_CANCEL_POLL", 3600)
+    srv = raw("slow")
+    flag = threading.Event()
+
+    def cancel_and_poke():
+        flag.set()
+        upstream.poke()
+
+    threading.Timer(0.3, cancel_and_poke).start()
+    with pytest.raises(upstream.UpstreamError) as info:
+        upstream.call(srv.url, {}, b"{}", deadline=time.monotonic() + 30, cancel=flag.is_set)
+    assert info.value.kind == "cancelled"
+    assert srv.closed.wait(10)
+
+
+def test_a_call_with_a_cancel_is_watched_while_the_watchdog_sleeps_to_a_far_deadline(raw):
+    """The watchdog sleeps until the nearest deadline when no call can be cancelled; a call registered
+    meanwhile with a cancel callback wakes it, so its cancel is polled (not seen at the other's deadline)."""
+    far, near = raw("slow"), raw("slow")
+    outcome = {}
+
+    def far_call():
+        try:
+            upstream.call(far.url, {}, b"{}", deadline=time.monotonic() + 6)
+        except upstream.UpstreamError as exc:
+            outcome["far"] = exc.kind
+
+    t = threading.Thread(target=far_call)
+    t.start()
+    assert far.got_request.wait(10)  # the watchdog now sleeps towards that call's deadline
+    flag = threading.Event()
+    threading.Timer(0.3, flag.set).start()
+    with pytest.raises(upstream.UpstreamError) as info:
+        upstream.call(near.url, {}, b"{}", deadline=time.monotonic() + 5, cancel=flag.is_set)
+    assert info.value.kind == "cancelled"  # not "timeout": seen by the poll, well before 5 s
+    t.join(30)
+    assert outcome == {"far": "timeout"}
