@@ -228,6 +228,8 @@ class Heartbeat:
                 self.stop_reason = "lease_lost"
             elif row[0]:
                 self.stop_reason = "cancelled"
+            if self.stop_reason is not None:
+                upstream.poke()  # the call in flight stops now, not at the watchdog's next poll
             return
         renewed = Item.objects.filter(
             pk=self.item.pk, state=ItemState.RUNNING, lease_owner=self.item.lease_owner, attempt=self.item.attempt
@@ -236,6 +238,8 @@ class Heartbeat:
             self.stop_reason = "lease_lost"
         elif Batch.objects.filter(pk=self.item.batch_id, cancel_requested_at__isnull=False).exists():
             self.stop_reason = "cancelled"
+        if self.stop_reason is not None:
+            upstream.poke()
 
 
 # One statement per beat: renew the lease, fenced on the claim, and read the batch's cancel flag (no row:
