@@ -295,7 +295,9 @@ class Batch(models.Model):
 
 class Item(models.Model):
     id = models.UUIDField(primary_key=True)  # UUIDv7; also the usage event's request_id
-    batch = models.ForeignKey(Batch, on_delete=models.CASCADE, related_name="items")
+    # No index of its own: uniq_item_idx (batch, idx) and item_batch_state (batch, state) lead with it,
+    # and every claim and finish updated a third one (issue 11).
+    batch = models.ForeignKey(Batch, on_delete=models.CASCADE, related_name="items", db_index=False)
     idx = models.PositiveIntegerField()
     state = models.CharField(max_length=16, choices=ItemState.choices, default=ItemState.AVAILABLE)
     # Claims so far: the fence token of the current claim (it never goes down).
@@ -362,7 +364,8 @@ class Attempt(models.Model):
     attempts; an upstream 429 is.
     """
 
-    item = models.ForeignKey(Item, on_delete=models.CASCADE, related_name="attempts")
+    # No index of its own: uniq_attempt_per_claim (item, number) leads with it (issue 11).
+    item = models.ForeignKey(Item, on_delete=models.CASCADE, related_name="attempts", db_index=False)
     number = models.PositiveIntegerField()  # the claim (Item.attempt) it ran under
     started_at = models.DateTimeField()
     finished_at = models.DateTimeField()

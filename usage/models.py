@@ -24,7 +24,10 @@ class Source(models.TextChoices):
 
 
 class UsageEvent(models.Model):
-    request_id = models.CharField(max_length=64, unique=True)  # "written once" is a constraint
+    # "Written once" is a constraint (usage_request_id_unique, below): a UniqueConstraint rather than
+    # unique=True, which on PostgreSQL also builds a varchar_pattern_ops index for LIKE queries that
+    # nothing makes, updated at every event (issue 11). The same goes for batch_id's index.
+    request_id = models.CharField(max_length=64)
     source = models.CharField(max_length=16, choices=Source.choices)
     ts = models.DateTimeField(default=timezone.now)
     status = models.PositiveSmallIntegerField(default=0)  # 0: rejected before any upstream answer
@@ -47,7 +50,7 @@ class UsageEvent(models.Model):
     model = models.CharField(max_length=200, blank=True, default="")
     provider = models.CharField(max_length=100, blank=True, default="")
     host = models.CharField(max_length=100, blank=True, default="")
-    batch_id = models.CharField(max_length=64, blank=True, default="", db_index=True)
+    batch_id = models.CharField(max_length=64, blank=True, default="")
 
     input_tokens = models.BigIntegerField(default=0)
     output_tokens = models.BigIntegerField(default=0)
@@ -62,8 +65,10 @@ class UsageEvent(models.Model):
             models.Index(fields=["-ts", "-request_id"], name="usage_ts_rid_desc"),
             models.Index(fields=["principal_kind", "principal_id", "-ts"], name="usage_principal_ts"),
             models.Index(fields=["source", "-ts"], name="usage_source_ts"),
+            models.Index(fields=["batch_id"], name="usage_batch_id"),
         ]
         constraints = [
+            models.UniqueConstraint(fields=["request_id"], name="usage_request_id_unique"),
             models.CheckConstraint(condition=Q(source__in=[s.value for s in Source]), name="usage_source_valid"),
             models.CheckConstraint(
                 condition=Q(input_tokens__gte=0)
