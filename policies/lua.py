@@ -79,7 +79,11 @@ def _run_after(client: redis.Redis, pending: list, source: str, keys: list, args
     """The deferred scripts, then `source`, as one pipeline; `source`'s answer (or error) returned."""
     batch = [*pending, (source, keys, args)]
     pending.clear()
-    results = _pipelined(client, batch)
+    try:
+        results = _pipelined(client, batch)
+    except redis.RedisError:
+        log.warning("%d deferred Redis script(s) were not sent", len(batch) - 1)
+        raise
     for (src, _, _), result in zip(batch[:-1], results[:-1], strict=True):
         if isinstance(result, Exception):
             log.warning("a deferred Redis script failed: %s", result, extra={"script": src[:80]})

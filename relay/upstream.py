@@ -213,12 +213,15 @@ class _OneSend:
     def request(self, *args, **kwargs):
         _own(self)
         try:
-            return super().request(*args, **kwargs)
+            super().request(*args, **kwargs)
+        except BaseException:
+            self._relay_held = None  # never half a request: the caller closes the connection
+            raise
         finally:
             self._relay_holding = False
-            held, self._relay_held = self._relay_held, None
-            if held is not None:  # no body followed the headers
-                super().send(held)
+        held, self._relay_held = self._relay_held, None
+        if held is not None:  # no body followed the headers
+            super().send(held)
 
     def endheaders(self, *args, **kwargs):
         self._relay_holding = True
