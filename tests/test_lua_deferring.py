@@ -4,28 +4,14 @@ slot's success settle with the next item's key pick), against a real Redis."""
 import logging
 
 import pytest
-from redis.connection import AbstractConnection
 
 from policies import lua
 from relay.redis import get_redis
+from tests.test_query_counts import redis_round_trips
 
 INCR = "return redis.call('INCRBY', KEYS[1], ARGV[1])"
 GET = "return redis.call('GET', KEYS[1])"
 FAIL = "return redis.error_reply('boom')"
-
-
-@pytest.fixture
-def sent(monkeypatch):
-    """What is sent to Redis: one entry per round trip (a pipeline is one)."""
-    calls = []
-    real = AbstractConnection.send_packed_command
-
-    def counting(self, command, check_health=True):
-        calls.append(command)
-        return real(self, command, check_health)
-
-    monkeypatch.setattr(AbstractConnection, "send_packed_command", counting)
-    return calls
 
 
 def test_outside_a_block_run_later_runs_at_once():
@@ -33,21 +19,23 @@ def test_outside_a_block_run_later_runs_at_once():
     assert get_redis().get("n") == "2"
 
 
-def test_held_back_scripts_go_with_the_next_command_in_one_round_trip(sent):
+def test_held_back_scripts_go_with_the_next_command_in_one_round_trip(monkeypatch):
     lua.run(GET, ["n"], [])  # the scripts are known to the server: what is counted is the steady state
-    sent.clear()
-    with lua.deferring():
-        lua.run_later(INCR, ["n"], [2])
-        lua.run_later(INCR, ["n"], [3])
-        assert not sent and get_redis().get("n") is None  # nothing sent yet
-        sent.clear()
-        assert lua.run(GET, ["n"], []) == "5"  # the held-back ones ran first, in order
-        assert len(sent) == 1
-        assert lua.run(GET, ["n"], []) == "5"  # sent once only
-    assert len(sent) == 2
+    seen = []
+
+    def block():
+        with lua.deferring():
+            lua.run_later(INCR, ["n"], [2])
+            lua.run_later(INCR, ["n"], [3])
+            seen.append(get_redis().get("n"))  # nothing sent yet (this GET is a round trip of its own)
+            seen.append(lua.run(GET, ["n"], []))  # the held-back ones ran first, in order, in its round trip
+            seen.append(lua.run(GET, ["n"], []))  # sent once only
+
+    assert redis_round_trips(block, monkeypatch) == 3  # and nothing more at the block's end
+    assert seen == [None, "5", "5"]
 
 
-def test_the_block_end_sends_what_is_still_held_back(sent):
+def test_the_block_end_sends_what_is_still_held_back():
     with lua.deferring():
         lua.run_later(INCR, ["n"], [7])
         with lua.deferring():  # nested: the outer block owns the flush
