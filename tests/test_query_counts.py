@@ -17,6 +17,7 @@ from django.test.utils import CaptureQueriesContext
 
 from batches import ingest, openai_batches, services, validation
 from relay import auth
+from relay.demo_upstream import Reply
 
 pytestmark = pytest.mark.django_db
 runs_items = pytest.mark.django_db(transaction=True)
@@ -217,3 +218,26 @@ def test_the_finish_statement_casts_to_column_types_without_their_lengths():
 
     types = lifecycle._types_of("usage_usageevent", ["request_id", "ts", "status", "input_tokens"])
     assert types == ["varchar", "timestamp with time zone", "smallint", "bigint"]
+
+
+@runs_items
+def test_the_finish_statement_is_built_once_per_shape(catalog, fake, monkeypatch):
+    """The finish's text (~60 quoted columns and their casts) is built once per shape, not per item:
+    items finishing the same way reuse it; a different final state with its error fields is a shape of
+    its own, and its values still go through the fields' preparation."""
+    from batches import lifecycle
+    from batches.models import Item
+
+    monkeypatch.setattr(lifecycle, "_finish_shapes", {})
+    built = []
+    real = lifecycle._row_inserts
+    monkeypatch.setattr(lifecycle, "_row_inserts", lambda *a, **k: built.append(a) or real(*a, **k))
+    batch = native_batch(catalog, n=4)
+    for _ in range(3):
+        services.run_item(services.claim("test-runner"))
+    assert len(built) == 1 and len(lifecycle._finish_shapes) == 1
+    fake.script("*", [Reply(status=400, body={"error": {"message": "bad"}})])
+    services.run_item(services.claim("test-runner"))
+    assert len(built) == 2 and len(lifecycle._finish_shapes) == 2
+    states = sorted(Item.objects.filter(batch=batch).values_list("state", "error_code"))
+    assert states == [("completed", ""), ("completed", ""), ("completed", ""), ("discarded", "upstream_error")]
