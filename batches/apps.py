@@ -6,5 +6,18 @@ class BatchesConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self):
+        from django.db.models.signals import post_migrate
+
         # Deleting a batch or a file removes its stored bytes (post_delete receivers).
         from batches import retention  # noqa: F401
+
+        post_migrate.connect(_sync_error_codes, sender=self)
+
+
+def _sync_error_codes(sender, using, **kwargs):
+    """After every `migrate`: the error-code domain's check lists batches.outcomes.Code (batches/domains.py)."""
+    from django.db import connections
+
+    from batches import domains
+
+    domains.sync(connections[using])

@@ -1,7 +1,7 @@
 """Why an item failed, as one explicit set of codes.
 
 A failure is recorded where it happens, as a code from `Code` on the item
-(`Item.error_code`, guarded by a CHECK constraint) next to the human message
+(`Item.error_code`, guarded by the database: batches/domains.py) next to the human message
 (`Item.error`). Everything a caller sees is derived from the code, never parsed
 back out of the message: the usage event's `error_kind`, the native result's
 `error`, and the `code` of a record in an OpenAI error file.
