@@ -5,8 +5,8 @@ Why a domain and not a table CHECK: PostgreSQL rebuilds every CHECK constraint o
 stored text at every UPDATE of one of its rows (`ExecRelCheck` → `stringToNode`), whichever columns
 the UPDATE sets. The list of codes was 7.6 KB of that text, and every item is updated twice (the
 claim, the finish): pgbench put it at ~48 µs of PostgreSQL's CPU per UPDATE of an item (issue 11). A
-domain's check is parsed once per connection, and runs only when the column is written (the finish and
-the cancels, not the claim or the heartbeat).
+domain's check is parsed once per connection, and runs only when the column is written (an item's
+insert, its finish, a cancel; not the claim or the heartbeat).
 
 The check follows Code: `sync` runs after every `migrate` (batches.apps), and its name carries a digest
 of the list, so a code added to Code reaches the database at the next start without a migration of its
@@ -16,6 +16,7 @@ own. On other databases (SQLite, embedded) the column carries the same list as a
 from __future__ import annotations
 
 import hashlib
+import re
 
 from batches.outcomes import Code
 
@@ -29,7 +30,7 @@ def codes() -> list[str]:
 def sql_list(values: list[str]) -> str:
     """The codes as SQL literals. They are identifiers ([a-z_]); anything else is refused, not quoted."""
     for value in values:
-        if not all(c.islower() or c == "_" for c in value):
+        if not re.fullmatch(r"[a-z_]*", value):
             raise ValueError(f"error code {value!r} is not made of [a-z_]")
     return ", ".join(f"'{value}'" for value in values)
 

@@ -352,7 +352,6 @@ class Item(models.Model):
                 condition=~Q(state="running") | (~Q(lease_owner="") & Q(lease_expires_at__isnull=False)),
                 name="item_running_has_lease",
             ),
-            # A failure is recorded as a code of one explicit set (batches/outcomes.py).
         ]
         indexes = [
             # Claim: the next available item of a batch, in order.
