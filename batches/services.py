@@ -219,27 +219,29 @@ class Heartbeat:
 
     def beat(self) -> None:
         lease = timezone.now() + timezone.timedelta(seconds=settings.RELAY_BATCH_LEASE_SECONDS)
+        reason = self._renew(lease)
+        if reason is not None:
+            self.stop_reason = reason
+            upstream.poke()  # the call in flight stops now, not at the watchdog's next poll
+
+    def _renew(self, lease) -> str | None:
+        """Renew the lease, fenced on the claim: why the item must stop ("lease_lost", "cancelled"), or None."""
+        item = self.item
         if connection.vendor == "postgresql":
-            item = self.item
             with connection.cursor() as cursor:
                 cursor.execute(_BEAT_SQL, [lease, item.pk, item.lease_owner, item.attempt])
                 row = cursor.fetchone()
             if row is None:
-                self.stop_reason = "lease_lost"
-            elif row[0]:
-                self.stop_reason = "cancelled"
-            if self.stop_reason is not None:
-                upstream.poke()  # the call in flight stops now, not at the watchdog's next poll
-            return
+                return "lease_lost"
+            return "cancelled" if row[0] else None
         renewed = Item.objects.filter(
-            pk=self.item.pk, state=ItemState.RUNNING, lease_owner=self.item.lease_owner, attempt=self.item.attempt
+            pk=item.pk, state=ItemState.RUNNING, lease_owner=item.lease_owner, attempt=item.attempt
         ).update(lease_expires_at=lease)
         if not renewed:
-            self.stop_reason = "lease_lost"
-        elif Batch.objects.filter(pk=self.item.batch_id, cancel_requested_at__isnull=False).exists():
-            self.stop_reason = "cancelled"
-        if self.stop_reason is not None:
-            upstream.poke()
+            return "lease_lost"
+        if Batch.objects.filter(pk=item.batch_id, cancel_requested_at__isnull=False).exists():
+            return "cancelled"
+        return None
 
 
 # One statement per beat: renew the lease, fenced on the claim, and read the batch's cancel flag (no row:

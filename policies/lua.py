@@ -84,9 +84,7 @@ def _run_after(client: redis.Redis, pending: list, source: str, keys: list, args
     except redis.RedisError:
         log.warning("%d deferred Redis script(s) were not sent", len(batch) - 1)
         raise
-    for (src, _, _), result in zip(batch[:-1], results[:-1], strict=True):
-        if isinstance(result, Exception):
-            log.warning("a deferred Redis script failed: %s", result, extra={"script": src[:80]})
+    _log_failures(batch[:-1], results[:-1])
     last = results[-1]
     if isinstance(last, Exception):
         raise last
@@ -101,9 +99,14 @@ def _flush(pending: list) -> None:
     except redis.RedisError:
         log.warning("deferred Redis scripts were not sent", exc_info=True)
         return
-    for result in results:
+    _log_failures(pending, results)
+
+
+def _log_failures(deferred: list, results: list) -> None:
+    """A deferred script's failure is logged, never raised: nobody waits for its answer."""
+    for (src, _, _), result in zip(deferred, results, strict=True):
         if isinstance(result, Exception):
-            log.warning("a deferred Redis script failed: %s", result)
+            log.warning("a deferred Redis script failed: %s", result, extra={"script": src[:80]})
 
 
 def _pipelined(client: redis.Redis, batch: list) -> list:
