@@ -185,7 +185,7 @@ class Stack:
         return web
 
     def start_worker(self, name: str = "bench", beat: bool = True) -> "Proc":
-        """An item worker as in production (relay.processes: 8 prefork slots on queue `batch`). With
+        """An item worker as in production (relay.processes: 8 slots, threads of one process, on queue `batch`). With
         `beat` (the first of a fleet) also the control worker and beat, as compose.yaml declares them
         once per deployment. Returns the item worker."""
         started = {}

@@ -12,11 +12,28 @@ app.autodiscover_tasks()
 
 
 @signals.worker_init.connect
-def _after_django_fixup(**kwargs) -> None:
+def _after_django_fixup(sender=None, **kwargs) -> None:
+    if _runs_tasks_here(sender):
+        # The item worker's `threads` pool (relay/processes.py): its slots are threads of this
+        # process, and no worker_process_init comes. Warmed here, before the consumer starts, so the
+        # worker reports ready warm; this thread's own connection serves no slot and is closed.
+        from django.db import connections
+
+        _warm_up()
+        connections.close_all()
+        return
     # Connected here, in the worker's parent, so it runs after Celery's Django fixup's own
     # worker_process_init receiver (which closes every database connection a pool process inherits).
     signals.worker_process_init.connect(_warm_up, weak=False, dispatch_uid="relay.celery.warm_up")
     _warm_parent()
+
+
+def _runs_tasks_here(worker) -> bool:
+    """Does this worker run its tasks in its own process, as threads (the `threads` pool)? Prefork
+    forks pool processes, and solo sends worker_process_init itself."""
+    pool = getattr(worker, "pool_cls", "")
+    name = pool if isinstance(pool, str) else getattr(pool, "__module__", "")
+    return "thread" in name
 
 
 def _warm_parent() -> None:

@@ -1,6 +1,6 @@
 """Prometheus metrics at `GET /metrics` (bearer RELAY_ADMIN_TOKEN).
 
-Workers are prefork Celery processes and the API runs several gunicorn processes, possibly on
+Workers are Celery processes and the API runs several gunicorn processes, possibly on
 several machines, so no series is an in-process counter: every value is computed at scrape time
 from what all processes share — PostgreSQL (items, batches, usage events) and Redis (queues,
 breakers, rate-limit denials). Any replica's /metrics answers for the whole deployment; scrape one.

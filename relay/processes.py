@@ -4,7 +4,8 @@ compose.yaml (`python -m relay.processes worker|control|beat`), embedded mode,
 the tests and the benchmarks all start them from here, so each runs exactly as
 production does:
 
-- `worker`  — item work: queue `batch`, 8 slots per replica shared by every batch (design §4).
+- `worker`  — item work: queue `batch`, 8 slots per replica shared by every batch (design §4), as 8
+  threads of one process (see `worker_argv`).
 - `control` — control work: queue `control` (sweeping, validation, finalization) and `default`.
   Its own pool, so control work never waits behind items and never takes an item slot.
 - `beat`    — the periodic jobs (the sweeper), one per deployment.
@@ -32,7 +33,15 @@ def _celery(python: str) -> list[str]:
 
 
 def worker_argv(python: str, name: str, *, loglevel: str = "INFO") -> list[str]:
-    """The item worker: queue `batch`, 8 prefork slots."""
+    """The item worker: queue `batch`, 8 slots as threads of one process (Celery's `threads` pool).
+
+    A slot spends its item waiting on the provider, so the slots share one interpreter (and its GIL)
+    at little cost, and one process means one bookkeeper thread, one catalog, one upstream pool and 9
+    database connections per replica instead of 16. Measured (`make bench`, 2,000 items at 100 ms,
+    2-core AMD EPYC, same code, A/B): CPU per item, worker + PostgreSQL + Redis, 4.6-4.9 ms with 8
+    prefork processes, 3.3-3.9 ms with 8 threads; 0 ms ceiling 436 -> 464 items/s. Eight processes
+    each woken from a 100 ms sleep ran on cold caches; one warm process does the same work for less.
+    A replica uses about one core of Python at most: more throughput is more replicas."""
     return [
         *_celery(python),
         "worker",
@@ -41,7 +50,7 @@ def worker_argv(python: str, name: str, *, loglevel: str = "INFO") -> list[str]:
         "-c",
         str(WORKER_CONCURRENCY),
         "-P",
-        "prefork",
+        "threads",
         "--loglevel",
         loglevel,
         "-n",

@@ -1,6 +1,6 @@
 """Nothing is lost: a worker SIGKILLed mid-batch, or Redis flushed mid-batch.
 
-Each test runs its own real Celery worker processes (prefork, -c 8, with the
+Each test runs its own real Celery worker processes (the item worker: 8 thread slots, with the
 sweeper embedded), so crashes are real process deaths, not simulations.
 """
 

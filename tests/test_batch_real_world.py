@@ -250,3 +250,19 @@ def test_cancel_closes_the_running_calls_and_never_exceeds_8_per_worker(workers,
     wait_for(lambda: fake.in_flight == 0, 10, interval=0.05, what="the second batch's calls closed")
     assert w.alive(), w.output()
     assert not UsageEvent.objects.filter(batch_id=str(first.pk), status=200).exists()
+
+
+def test_an_item_worker_runs_its_8_slots_as_threads_of_one_process(workers, catalog, fake):
+    """relay/processes.py: the item worker's slots are threads of the process it starts (the `threads`
+    pool), not pool processes it forks. A lease owner is `host:pid:thread:drain`."""
+    w = workers("threads")
+    fake.answer_when("<held>", Reply(hang=True))
+    batch = native_batch(catalog, 10, content="<held>")
+    wait_for(lambda: fake.in_flight == 8, 30, what="8 held calls")
+    owners = list(Item.objects.filter(batch=batch, state="running").values_list("lease_owner", flat=True))
+    assert len(owners) == 8
+    assert {owner.split(":")[1] for owner in owners} == {str(w.proc.pid)}
+    assert len({owner.split(":")[2] for owner in owners}) == 8
+    services.cancel(Batch.objects.get(pk=batch.pk))
+    wait_for(lambda: Batch.objects.get(pk=batch.pk).completed_at, 10, what="the cancelled batch")
+    assert w.alive(), w.output()
