@@ -34,12 +34,20 @@ def celery_workers() -> tuple[list[dict], str]:
             {
                 "name": name,
                 "concurrency": pool.get("max-concurrency"),
-                "processes": len(pool.get("processes") or []),
+                "pool": _pool_kind(pool),
                 "served": sum((s.get("total") or {}).values()),
                 "uptime_s": s.get("uptime"),
             }
         )
     return workers, ""
+
+
+def _pool_kind(pool: dict) -> str:
+    """What a worker's slots are: the item worker runs threads of one process (relay/processes.py), the
+    control worker forked processes. Celery's stats say so by the keys its pool reports."""
+    if "threads" in pool:  # started on demand, up to the concurrency
+        return f"threads ({pool['threads']} started)"
+    return f"{len(pool.get('processes') or [])} processes"
 
 
 def _safe(fn, default):

@@ -18,6 +18,7 @@ import threading
 import time
 from collections import Counter
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 from django.db import connection, transaction
@@ -252,9 +253,11 @@ def test_cancel_closes_the_running_calls_and_never_exceeds_8_per_worker(workers,
     assert not UsageEvent.objects.filter(batch_id=str(first.pk), status=200).exists()
 
 
-def test_an_item_worker_runs_its_8_slots_as_threads_of_one_process(workers, catalog, fake):
+def test_an_item_worker_runs_its_8_slots_as_threads_of_one_process(workers, catalog, fake, monkeypatch):
     """relay/processes.py: the item worker's slots are threads of the process it starts (the `threads`
-    pool), not pool processes it forks. A lease owner is `host:pid:thread:drain`."""
+    pool), not pool processes it forks, and that process warms itself up once, before its first item
+    (relay/celery.py). A lease owner is `host:pid:thread:drain`."""
+    monkeypatch.setenv("TEST_WORKER_LOGLEVEL", "INFO")
     w = workers("threads")
     fake.answer_when("<held>", Reply(hang=True))
     batch = native_batch(catalog, 10, content="<held>")
@@ -263,6 +266,9 @@ def test_an_item_worker_runs_its_8_slots_as_threads_of_one_process(workers, cata
     assert len(owners) == 8
     assert {owner.split(":")[1] for owner in owners} == {str(w.proc.pid)}
     assert len({owner.split(":")[2] for owner in owners}) == 8
+    log = Path(w.logs["worker"].name).read_text(errors="replace")
+    assert log.count("worker process warmed up in") == 1, log[-3000:]
+    assert "(failed:" not in log and log.index("warmed up") < log.index("ready."), log[-3000:]
     services.cancel(Batch.objects.get(pk=batch.pk))
     wait_for(lambda: Batch.objects.get(pk=batch.pk).completed_at, 10, what="the cancelled batch")
     assert w.alive(), w.output()

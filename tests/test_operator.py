@@ -208,3 +208,24 @@ def test_browse_all_items_link_lands_on_the_batch_items(staff_client, catalog):
     listing = staff_client.get(href)
     assert listing.status_code == 200 and "3 items" in listing.content.decode()
     assert 'class="relay-progress"' in staff_client.get(reverse("admin:batches_batch_changelist")).content.decode()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_health_page_tells_thread_slots_from_pool_processes(workers):
+    """The item worker's slots are threads (relay/processes.py), the control worker's are processes:
+    what Celery's broadcast answers, as the health page shows it."""
+    from relay.operator import celery_workers
+    from tests.workers import wait_for
+
+    workers("pools")
+    seen: dict = {}
+
+    def answered():
+        seen.update({w["name"].split("@")[0]: w for w in celery_workers()[0]})
+        return "items-pools" in seen and "control-pools" in seen
+
+    wait_for(answered, 30, what="both workers to answer the broadcast")
+    assert seen["items-pools"]["concurrency"] == 8
+    assert seen["items-pools"]["pool"].startswith("threads (")
+    assert seen["control-pools"]["concurrency"] == 4
+    assert seen["control-pools"]["pool"] == "4 processes"
