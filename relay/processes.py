@@ -39,10 +39,10 @@ def worker_argv(python: str, name: str, *, loglevel: str = "INFO") -> list[str]:
     at little cost, and one process means one bookkeeper thread, one catalog, one upstream pool and 9
     database connections per replica instead of 16. Measured (`make bench`, 2,000 items at 100 ms,
     2-core AMD EPYC, same code, A/B quick runs): CPU per item, worker + PostgreSQL + Redis, 3.9-5.1 ms
-    with 8 prefork processes, 3.2-3.9 ms with 8 threads; 0 ms ceiling 436 -> 464 items/s. Likely
-    cause: work after a 100 ms sleep runs on cold caches, and 8 processes (and 16 backends) keep more
-    of them cold than one. A replica uses about one core of Python at most: more throughput is more
-    replicas."""
+    with 8 prefork processes, 3.2-3.9 ms with 8 threads; 0 ms ceiling 436 against 464 items/s (noisy:
+    366-582 in full runs). Likely cause: work after a 100 ms sleep runs on cold caches, and 8
+    processes (and 16 backends) keep more of them cold than one. A replica uses about one core of
+    Python at most: more throughput is more replicas."""
     return [
         *_celery(python),
         "worker",
