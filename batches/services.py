@@ -141,17 +141,18 @@ def worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{threading.get_ident()}"
 
 
-def warm_up() -> None:
+def warm_up(*, own_connection: bool = True) -> None:
     """What a worker process's first item would otherwise pay (called once per process before it takes
     work: relay/celery.py): its database connection with the claim statements prepared,
     its Redis and broker connections, the catalog of the policies that batches may run under. Measured:
     a fresh process's first item took 73 ms against 12 ms for its second on a quiet machine, and
     300-650 ms when the 16-24 pool processes of a scale-out start together on 2 cores. Best effort:
-    whatever fails here is done again by the first item."""
+    whatever fails here is done again by the first item. `own_connection=False`: the calling thread
+    runs no item (the `threads` pool's main thread), so its own connection is not prepared."""
     from relay.redis import get_redis
 
     steps = (
-        ("database", lifecycle.warm_up),
+        *((("database", lifecycle.warm_up),) if own_connection else ()),
         ("redis", lambda: get_redis().ping()),
         ("broker", _warm_broker),
         # Inherited from the worker's parent (relay/celery.py): loaded again only if the catalog changed

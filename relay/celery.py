@@ -16,10 +16,13 @@ def _after_django_fixup(sender=None, **kwargs) -> None:
     if _runs_tasks_here(sender):
         # The item worker's `threads` pool (relay/processes.py): its slots are threads of this
         # process, and no worker_process_init comes. Warmed here, before the consumer starts, so the
-        # worker reports ready warm; this thread's own connection serves no slot and is closed.
+        # worker reports ready warm. This thread runs no slot: its connection (the catalog's load
+        # used it) is not prepared, and is closed.
         from django.db import connections
 
-        _warm_up()
+        from batches import services
+
+        services.warm_up(own_connection=False)
         connections.close_all()
         return
     # Connected here, in the worker's parent, so it runs after Celery's Django fixup's own
