@@ -166,6 +166,11 @@ VALUES = [
     _nested(3000),  # deeper than json.dumps can recurse
     DEEP_OK,
     {"big": 10**40, "neg": -0.0, "unicode": "héllo ✓ \U0001f600", "ctl": "\t\n\x01"},
+    # orjson, the fast path, writes a non-finite float as null: a real null beside one must not hide it.
+    {"stop": None, "x": float("inf")},
+    {"stop": None, "temperature": 0.2, "n": 2**63 - 1, "f": [1e16, 1e-7, -1.5e300]},
+    {"text": "null", "x": -math.inf},
+    {"k": 2**64},  # past orjson's integers: the careful path
 ]
 
 
