@@ -102,6 +102,25 @@ def parse(stream, on_item) -> dict:
     """Call `on_item(idx, obj)` for every element of `requests`; return the other top-level keys.
 
     `requests` is reported as present (key "requests" → number of items) when it is an array.
+    """
+    steps = _steps(stream)
+    while True:
+        try:
+            step = next(steps)
+        except StopIteration as done:
+            return done.value
+        if step[0] is not REQUESTS_START:
+            on_item(*step)
+
+
+# What _steps yields, with the top-level keys seen so far, when the `requests` array starts.
+REQUESTS_START = object()
+
+
+def _steps(stream):
+    """A generator: `(REQUESTS_START, top so far)` when `requests` starts, then `(idx, obj)` for each of
+    its elements; returns the top-level keys other than the elements (see parse()).
+
     The events of an element go to a builder in C (_item_builder), so the Python loop below does
     one call and one test per event of the 50,000 elements' million events.
     """
@@ -121,7 +140,7 @@ def parse(stream, on_item) -> dict:
             if in_item:
                 send_item(ev)
                 if built:
-                    on_item(count, built.pop())
+                    yield count, built.pop()
                     count += 1
                     in_item = False
                 continue
@@ -144,6 +163,7 @@ def parse(stream, on_item) -> dict:
             elif prefix == "requests":
                 if event == "start_array":
                     top["requests"] = None
+                    yield REQUESTS_START, dict(top)
                 elif event == "end_array":
                     top["requests"] = count
                 elif event in _SCALARS or event == "start_map":
@@ -220,40 +240,90 @@ class Submission:
 _SPOOL_WRITE = 256 * 1024
 
 
-def read_submission(raw_stream, limit: int, keep: int) -> Submission:
-    """Parse the body once, as a stream; RelayError(400) on malformed JSON or an oversized body."""
-    spool = tempfile.SpooledTemporaryFile(max_size=_SPOOL_MEMORY)  # noqa: SIM115 - Submission closes it
-    count = 0
-    pending: list[bytes] = []
-    pending_size = 0
+class SubmissionReader:
+    """A batch body parsed as a stream, in stages: head(), then elements(), which parses to the end.
 
-    def on_item(idx: int, obj) -> None:
-        nonlocal count, pending_size
-        count += 1
-        # Checked by its own encoding (relay.jsonguard.encode), before anything is kept: a lone
-        # surrogate or a 10,000-deep element is refused here, naming the field.
+    head() answers the top-level keys that come before `requests`, so a caller that can tell from
+    them what to do with the elements (services.store_native_streaming) can store each element as it
+    is parsed instead of spooling the whole body first. `top`, `count` and `sha256` are known once
+    elements() is exhausted.
+    """
+
+    def __init__(self, raw_stream, limit: int, keep: int):
+        self.stream = LimitedStream(raw_stream, limit)
+        self.keep = keep
+        self.count = 0
+        self.top: dict | None = None
+        self._steps = _steps(self.stream)
+        self._started = False
+
+    @property
+    def sha256(self) -> str:
+        return self.stream.sha256.hexdigest()
+
+    def _next(self):
+        """The next step of the parse, or None once the body is parsed (self.top is then set)."""
+        if self.top is not None:
+            return None
         try:
-            data = jsonguard.encode(obj, f"requests[{idx}]")
-        except jsonguard.JSONGuardError as exc:
-            raise invalid(f"Invalid request body: {exc.message}.", param=exc.path or None, code=exc.code) from exc
-        if idx < keep:
-            # json.dumps escapes newlines inside strings, so one element is one line.
-            pending.append(data)
-            pending_size += len(data) + 1
-            if pending_size >= _SPOOL_WRITE:
+            return next(self._steps)
+        except StopIteration as done:
+            _guard(done.value, "")
+            self.top = done.value
+            return None
+
+    def head(self) -> dict | None:
+        """The top-level keys before `requests` (parsed up to its first element), or None when the
+        body has no `requests` array: it is then parsed to its end. Call once, before elements()."""
+        assert not self._started
+        self._started = True
+        step = self._next()
+        return None if step is None else step[1]
+
+    def elements(self) -> Iterator[bytes]:
+        """Each kept element (the first `keep`) as compact JSON bytes with no newline inside, checked
+        by relay.jsonguard (a 400 naming the field); the body is parsed to its end when this ends."""
+        if not self._started:
+            self.head()
+        keep = self.keep
+        for step in iter(self._next, None):
+            if step[0] is REQUESTS_START:  # a second `requests` key: its elements count on
+                continue
+            idx, obj = step
+            self.count += 1
+            # Checked by its own encoding (relay.jsonguard.encode), before anything is kept: a lone
+            # surrogate or a 10,000-deep element is refused here, naming the field.
+            try:
+                data = jsonguard.encode(obj, f"requests[{idx}]")
+            except jsonguard.JSONGuardError as exc:
+                raise invalid(f"Invalid request body: {exc.message}.", param=exc.path or None, code=exc.code) from exc
+            if idx < keep:
+                yield data
+
+    def spooled(self) -> Submission:
+        """Parse the rest of the body, spooling each kept element as a line, and answer the Submission."""
+        spool = tempfile.SpooledTemporaryFile(max_size=_SPOOL_MEMORY)  # noqa: SIM115 - Submission closes it
+        pending: list[bytes] = []
+        pending_size = 0
+        try:
+            for data in self.elements():
+                # json.dumps escapes newlines inside strings, so one element is one line.
+                pending.append(data)
+                pending_size += len(data) + 1
+                if pending_size >= _SPOOL_WRITE:
+                    pending.append(b"")
+                    spool.write(b"\n".join(pending))
+                    pending.clear()
+                    pending_size = 0
+            if pending:
                 pending.append(b"")
                 spool.write(b"\n".join(pending))
-                pending.clear()
-                pending_size = 0
+        except BaseException:
+            spool.close()
+            raise
+        return Submission(self.top, self.count, spool, self.sha256)
 
-    stream = LimitedStream(raw_stream, limit)
-    try:
-        top = parse(stream, on_item)
-        _guard(top, "")
-        if pending:
-            pending.append(b"")
-            spool.write(b"\n".join(pending))
-    except BaseException:
-        spool.close()
-        raise
-    return Submission(top, count, spool, stream.sha256.hexdigest())
+
+def read_submission(raw_stream, limit: int, keep: int) -> Submission:
+    """Parse the body once, as a stream; RelayError(400) on malformed JSON or an oversized body."""
+    return SubmissionReader(raw_stream, limit, keep).spooled()

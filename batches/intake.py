@@ -1,7 +1,7 @@
 """POST /v1/batches: one URL, two surfaces, told apart by the body (design.md §2).
 
-The body is parsed once, as a stream (ingest.read_submission spools the
-`requests` elements); the top-level keys then say which surface it speaks:
+The body is parsed once, as a stream (ingest.SubmissionReader); the top-level
+keys say which surface it speaks:
 
 - `shape` → Relay-native (spec 000), stored by services.store_native;
 - `endpoint`, `completion_window`, `input_file_id` or `metadata` → OpenAI-compatible
@@ -10,17 +10,35 @@ The body is parsed once, as a stream (ingest.read_submission spools the
 - both → 400: the caller must mean one or the other.
 """
 
+from collections.abc import Callable
+
 from django.conf import settings
 
-from batches import ingest
+from batches import ingest, services
 from batches.errors import invalid
-from batches.models import Surface
+from batches.models import Batch, Surface
 
 OPENAI_MARKERS = ("endpoint", "completion_window", "input_file_id", "metadata")
 
 
 def read(raw_stream) -> ingest.Submission:
+    """The whole body parsed, its elements spooled (the Anthropic surface, which has one URL of its own)."""
     return ingest.read_submission(raw_stream, ingest.body_limit(), settings.RELAY_BATCH_MAX_ITEMS)
+
+
+def receive(raw_stream, principal, on_native: Callable[[], None]) -> Batch | ingest.Submission:
+    """A native batch stored as its body was read, or the parsed body for the caller to dispatch.
+
+    When the keys before `requests` already say Relay-native (a `shape`, no OpenAI key), the items
+    are stored while the body is parsed (services.store_native_streaming). Otherwise, and when keys
+    after `requests` change the picture, the body is spooled and surface_of() decides, as before.
+    `on_native` runs when the streamed body turns out native, before the batch's own checks.
+    """
+    reader = ingest.SubmissionReader(raw_stream, ingest.body_limit(), settings.RELAY_BATCH_MAX_ITEMS)
+    head = reader.head()
+    if head is not None and not any(k in head for k in OPENAI_MARKERS) and services.can_stream_native(head):
+        return services.store_native_streaming(principal, reader, head, on_native)
+    return reader.spooled()
 
 
 def surface_of(top: dict) -> str:

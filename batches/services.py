@@ -61,7 +61,85 @@ def store_native(principal: auth.Principal, submission: ingest.Submission) -> Ba
     The body was parsed once, as a stream (ingest.read_submission); its items
     come back from the spool. Bad input → RelayError(400) and nothing is stored.
     """
-    top, seen = submission.top, submission.count
+    retry = _native_checks(submission.top, submission.count)
+    batch_id = uuid6.uuid7()
+    writer = storage.input_writer(str(batch_id))
+    try:
+        with transaction.atomic():
+            # Each element is appended to the input file as its row is formatted (batches/bulk.py).
+            rows = ((idx, writer.add(idx, data), "") for idx, data in enumerate(submission.elements()))
+            bulk.copy_new_items(batch_id, rows, max_attempts=retry["max_attempts"], stream=not writer.uses_db)
+            writer.close()
+            batch = _create_native(principal, batch_id, submission.top["shape"], submission.count, retry)
+    except BaseException:
+        writer.discard()
+        raise
+    return batch
+
+
+def can_stream_native(head: dict) -> bool:
+    """Whether a native body can be stored as it is read (store_native_streaming), judged by the
+    top-level keys before `requests` (batches.intake has checked that none is the OpenAI surface's):
+    a known shape, a valid `retry` or none, and input files on disk (the COPY reads rows while the
+    parse writes them; a payload store in the database would need the connection meanwhile)."""
+    if head.get("shape") not in Shape.values or storage.backend() != "dir":
+        return False
+    try:
+        _retry_options(head.get("retry"))
+    except RelayError:
+        return False  # the spooled path answers it, after the whole body is read, as before
+    return True
+
+
+class _Replay(Exception):
+    """The body's keys after `requests` changed what the streamed store assumed: undo it, replay."""
+
+
+def store_native_streaming(
+    principal: auth.Principal, reader: ingest.SubmissionReader, head: dict, on_parsed: Callable[[], None]
+) -> Batch | ingest.Submission:
+    """Store a native batch while its body is parsed: each element goes to the input file and the
+    items' COPY as soon as it is read, so PostgreSQL inserts rows while the web worker parses the
+    next ones (store_native, after the spool, runs the two one after the other).
+
+    Judged from `head`, the keys before `requests` (can_stream_native). Everything happens in one
+    transaction that commits only after the whole body is parsed and checked, so a bad element, an
+    oversized body or a failed check stores nothing, as in store_native. If keys after `requests`
+    differ from `head` (a `retry` or `shape` sent last, an OpenAI key making the body ambiguous),
+    nothing is kept and the parsed body comes back as a Submission for the usual path, read from
+    the input file the elements were written to. `on_parsed` runs once the body is parsed, before the
+    batch's own checks (the view answers those in the native error shape).
+    """
+    retry = _retry_options(head.get("retry"))
+    batch_id = uuid6.uuid7()
+    writer = storage.input_writer(str(batch_id))
+    try:
+        with transaction.atomic():
+            rows = ((idx, writer.add(idx, data), "") for idx, data in enumerate(reader.elements()))
+            bulk.copy_new_items(batch_id, rows, max_attempts=retry["max_attempts"], stream=True)
+            top = reader.top
+            if _without_requests(top) != _without_requests(head):
+                raise _Replay
+            on_parsed()
+            _native_checks(top, reader.count)
+            writer.close()
+            batch = _create_native(principal, batch_id, top["shape"], reader.count, retry)
+    except _Replay:
+        spool = writer.read_back()
+        writer.discard()
+        return ingest.Submission(reader.top, reader.count, spool, reader.sha256)
+    except BaseException:
+        writer.discard()
+        raise
+    return batch
+
+
+def _without_requests(top: dict) -> dict:
+    return {k: v for k, v in top.items() if k != "requests"}
+
+
+def _native_checks(top: dict, seen: int) -> dict:
+    """spec 000's checks of a parsed native body (`seen` elements); answers its retry options."""
     max_items = settings.RELAY_BATCH_MAX_ITEMS
     shape = top.get("shape")
     if shape in (None, ""):
@@ -78,26 +156,15 @@ def store_native(principal: auth.Principal, submission: ingest.Submission) -> Ba
             "too_many_items",
             f"batch: too many items: {seen} items, at most {max_items} per batch (RELAY_BATCH_MAX_ITEMS)",
         )
-    retry = _retry_options(top.get("retry"))
-    batch_id = uuid6.uuid7()
-    writer = storage.input_writer(str(batch_id))
-    try:
-        with transaction.atomic():
-            # Each element is appended to the input file as its row is formatted (batches/bulk.py).
-            rows = ((idx, writer.add(idx, data), "") for idx, data in enumerate(submission.elements()))
-            bulk.copy_new_items(batch_id, rows, max_attempts=retry["max_attempts"], stream=not writer.uses_db)
-            writer.close()
-            batch = Batch.objects.create(
-                id=batch_id,
-                inbound_shape=shape,
-                total_items=seen,
-                **retry,
-                **Batch.attribution(principal),
-            )
-            transaction.on_commit(lifecycle.wake_workers)
-    except BaseException:
-        writer.discard()
-        raise
+    return _retry_options(top.get("retry"))
+
+
+def _create_native(principal: auth.Principal, batch_id, shape: str, total: int, retry: dict) -> Batch:
+    """The batch row of items just copied, in the caller's transaction; workers are woken after commit."""
+    batch = Batch.objects.create(
+        id=batch_id, inbound_shape=shape, total_items=total, **retry, **Batch.attribution(principal)
+    )
+    transaction.on_commit(lifecycle.wake_workers)
     return batch
 
 

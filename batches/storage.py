@@ -69,6 +69,12 @@ class _DirInputWriter:
         self.fh.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
+    def read_back(self):
+        """The lines written so far, as a binary file open for reading from the start (it stays
+        readable after discard(): the open file outlives its name)."""
+        self.fh.flush()
+        return open(self.dir / "input.jsonl", "rb")  # noqa: SIM115 - the caller's Submission closes it
+
 
 class _DbInputWriter:
     FLUSH_EVERY = 1000

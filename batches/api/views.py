@@ -19,7 +19,7 @@ from rest_framework.views import APIView
 from batches import files, intake, openai_batches, selectors, services, storage
 from batches.api import serializers
 from batches.errors import OpenAIError, invalid
-from batches.models import Surface
+from batches.models import Batch, Surface
 from relay.api.authentication import RelayCredentialAuthentication
 from relay.errors import RelayError
 
@@ -83,17 +83,24 @@ class BatchListView(_SurfaceView):
     access_checked_methods = ("GET",)  # create checks it once the body has said which surface it is
 
     def post(self, request):
-        with intake.read(request._request) as submission:
+        read = intake.receive(request._request, request.user, on_native=self._answer_as_native)
+        if isinstance(read, Batch):  # native, stored as its body was read
+            return self._queued(read)
+        with read as submission:
             if intake.surface_of(submission.top) == Surface.NATIVE:
-                self.openai_errors = False
-                batch = services.store_native(request.user, submission)
-                return JsonResponse(
-                    {"id": str(batch.id), "status": "queued", "total_items": batch.total_items}, status=202
-                )
+                self._answer_as_native()
+                return self._queued(services.store_native(request.user, submission))
             batch = openai_batches.create(
                 request.user, submission, idempotency_key=request.headers.get("Idempotency-Key", "").strip()
             )
         return JsonResponse(serializers.batch(batch))
+
+    def _answer_as_native(self) -> None:
+        self.openai_errors = False
+
+    @staticmethod
+    def _queued(batch: Batch) -> JsonResponse:
+        return JsonResponse({"id": str(batch.id), "status": "queued", "total_items": batch.total_items}, status=202)
 
     def get(self, request):
         rows, has_more = selectors.openai_batches_page(request.user, request.GET.get("after"), request.GET.get("limit"))
