@@ -11,11 +11,13 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import requests
 
-from relay.webserver import gunicorn_argv
+from relay.webserver import WORKERS, gunicorn_argv
 from tests.workers import ROOT, database_url, wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -34,9 +36,11 @@ def web(django_db_setup, django_db_blocker):
     from django.db import connection
 
     port = _free_port()
+    log = tempfile.NamedTemporaryFile(prefix="relay-web-", suffix=".log")  # noqa: SIM115 - closed below
     env = dict(
         os.environ,
         DATABASE_URL=database_url(connection.settings_dict),
+        LOG_LEVEL="INFO",
         # Short body-read limits so the test sees a slow body refused (408) in seconds.
         RELAY_BODY_READ_SECONDS="3",
         RELAY_BODY_IDLE_SECONDS="2",
@@ -46,7 +50,7 @@ def web(django_db_setup, django_db_blocker):
         env=env,
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stderr=log,
         start_new_session=True,
     )
     url = f"http://127.0.0.1:{port}"
@@ -59,7 +63,7 @@ def web(django_db_setup, django_db_blocker):
 
     try:
         wait_for(up, 60, interval=0.3, what="gunicorn to answer /healthz")
-        yield url, port
+        yield url, port, Path(log.name)
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -67,6 +71,7 @@ def web(django_db_setup, django_db_blocker):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
+        log.close()
 
 
 def _slow_connection(port: int, key: str, path: str = "/v1/chat/completions") -> socket.socket:
@@ -92,7 +97,7 @@ def _read_answer(s: socket.socket) -> bytes:
 
 
 def test_healthz_answers_while_16_slow_clients_hold_connections(web, catalog):
-    url, port = web
+    url, port, _ = web
     slow = []
     try:
         # A valid key: each of these requests reaches the view, which waits for the body.
@@ -106,7 +111,7 @@ def test_healthz_answers_while_16_slow_clients_hold_connections(web, catalog):
 
 
 def test_a_body_that_never_arrives_is_answered_408_and_the_thread_freed(web, catalog):
-    _, port = web
+    _, port, _ = web
     s = _slow_connection(port, catalog.key)
     try:
         s.settimeout(30)  # bound: the relay gives up on the body after RELAY_BODY_READ_SECONDS (3 s here)
@@ -118,7 +123,7 @@ def test_a_body_that_never_arrives_is_answered_408_and_the_thread_freed(web, cat
 
 
 def test_declared_oversize_body_is_refused_before_it_is_sent(web):
-    _, port = web
+    _, port, _ = web
     for path in ("/v1/batches", "/v1/chat/completions", "/v1/files"):
         s = socket.create_connection(("127.0.0.1", port), timeout=30)
         try:
@@ -134,7 +139,7 @@ def test_declared_oversize_body_is_refused_before_it_is_sent(web):
 
 
 def test_chunked_body_is_read_through_gunicorn(web, catalog, fake):
-    url, _ = web
+    url, _, _ = web
     body = json.dumps({"model": "gpt-4o", "messages": [{"role": "user", "content": "sent in chunks"}]}).encode()
 
     def chunks():
@@ -149,3 +154,12 @@ def test_chunked_body_is_read_through_gunicorn(web, catalog, fake):
     )
     assert resp.status_code == 200, resp.text
     assert fake.received[-1]["body"]["messages"][0]["content"] == "sent in chunks"
+
+
+def test_each_web_worker_loads_its_urls_and_catalog_before_its_first_request(web):
+    # relay.wsgi runs relay.webserver.warm_up as gunicorn loads the app in each worker, before the
+    # worker accepts a connection: its first request no longer pays the URLconf's imports.
+    _, _, log = web
+    lines = [line for line in log.read_text().splitlines() if "web worker warmed up" in line]
+    assert len(lines) == WORKERS, log.read_text()[-3000:]
+    assert not any("failed" in line for line in lines), lines
