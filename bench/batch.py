@@ -39,15 +39,10 @@ only), into <dir>; needs py-spy in the venv and ptrace rights).
 Prints figures; asserts nothing about timings.
 """
 
-import contextlib
 import io
 import json
 import os
 import secrets
-import shutil
-import signal
-import subprocess
-import sys
 import time
 from datetime import datetime
 from pathlib import Path
@@ -127,37 +122,6 @@ class MultipartFile:
     def close(self) -> None:
         for part in self._parts:
             part.close()
-
-
-@contextlib.contextmanager
-def profiled(web: harness.Web, label: str, pids=None, idle: bool = False):
-    """With BENCH_PYSPY=<dir>: py-spy records every gunicorn worker (or `pids`) while the block runs (raw
-    and speedscope files named after `label`); otherwise nothing. `idle`: also the samples of threads
-    waiting (a socket, a lock), so the profile shows wall time, not only CPU."""
-    out = os.environ.get("BENCH_PYSPY")
-    spy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
-    if not out or not spy:
-        yield
-        return
-    Path(out).mkdir(parents=True, exist_ok=True)
-    procs = []
-    for pid in web.worker_pids() if pids is None else pids:
-        for fmt in ("raw", "speedscope"):
-            argv = [spy, "record", "-p", str(pid), "--nonblocking", "-r", "250", "-f", fmt]
-            argv += ["--idle"] if idle else []
-            argv += ["-o", str(Path(out) / f"{label}-{pid}.{fmt}")]
-            procs.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-    time.sleep(1.0)  # let py-spy attach before the request starts
-    try:
-        yield
-    finally:
-        for p in procs:
-            p.send_signal(signal.SIGINT)
-        for p in procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
 
 
 # --- the figures ---------------------------------------------------------------------------------------
@@ -519,7 +483,7 @@ def run() -> dict:
         body_path = stack.tmp / "native-batch.json"
         r["body_bytes"] = write_native_body(body_path, n, item_bytes)
         log(f"a. POST /v1/batches: {n} items, {r['body_bytes'] / harness.MiB:.1f} MiB, streamed from disk")
-        with profiled(web, "submit"):
+        with harness.profiled(web, "submit"):
             r["submit"] = submit(web, key, body_path, cpu_groups)
         body_path.unlink()
         batch_id = r["submit"]["id"]
@@ -536,9 +500,9 @@ def run() -> dict:
             log(f"c. completing the {n} items in the database (storage.write_result + state update)")
             r["prep"] = {"how": "db", **complete_in_db(batch_id)}
         log("c. GET /v1/batches/{id}/results, streamed to /dev/null")
-        with profiled(web, "results"):
+        with harness.profiled(web, "results"):
             r["results"] = fetch_results(web, key, batch_id, cpu_groups)
-        with profiled(web, "status"):
+        with harness.profiled(web, "status"):
             st = fetch_status(web, key, batch_id)
         r["status_view"] = {k: v for k, v in st.items() if k != "body"}
 
@@ -556,7 +520,7 @@ def run() -> dict:
             # Profiled with BENCH_PYSPY: the item worker's pool processes, wall time (--idle; CPU only
             # with BENCH_PYSPY_IDLE=0).
             idle = os.environ.get("BENCH_PYSPY_IDLE", "1") != "0"
-            with profiled(web, "drain", pids=harness.children_of(worker.popen.pid), idle=idle):
+            with harness.profiled(web, "drain", pids=harness.children_of(worker.popen.pid), idle=idle):
                 r["tp"] = throughput(web, key, upstream, stack.tmp, tp_n, latency, item_bytes, cpu_groups)
             r["tp_results"] = fetch_results(web, key, r["tp"]["id"], cpu_groups)
             if ceiling_n > 0:

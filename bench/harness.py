@@ -272,13 +272,56 @@ class Web:
             if self.proc.popen.poll() is not None:
                 raise RuntimeError(f"gunicorn exited with {self.proc.popen.returncode}\n{self.proc.tail()}")
             with contextlib.suppress(requests.RequestException):
-                if requests.get(f"{self.url}/healthz", timeout=5).status_code == 200 and len(self.worker_pids()) >= 2:
+                if (
+                    requests.get(f"{self.url}/healthz", timeout=5).status_code == 200
+                    and len(self.worker_pids()) >= 2
+                    and self._workers_settled()
+                ):
                     return
             time.sleep(0.2)
         raise RuntimeError(f"gunicorn not healthy after {timeout:.0f} s\n{self.proc.tail()}")
 
     def worker_pids(self) -> list[int]:
         return children_of(self.proc.popen.pid)
+
+    def _workers_settled(self) -> bool:
+        """No worker is still loading the app (relay.webserver.warm_up): /healthz answers as soon as one
+        worker is up, and the other's ~2 s of CPU loading it would land in the first figure."""
+        pids = self.worker_pids()
+        before = [_cpu_s(pid) or 0.0 for pid in pids]
+        time.sleep(0.5)
+        return all((_cpu_s(pid) or 0.0) - cpu < 0.02 for pid, cpu in zip(pids, before, strict=True))
+
+
+@contextlib.contextmanager
+def profiled(web: "Web", label: str, pids=None, idle: bool = False):
+    """With BENCH_PYSPY=<dir>: py-spy records every gunicorn worker (or `pids`) while the block runs (raw
+    and speedscope files named after `label`); otherwise nothing. `idle`: also the samples of threads
+    waiting (a socket, a lock), so the profile shows wall time, not only CPU."""
+    out = os.environ.get("BENCH_PYSPY")
+    spy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
+    if not out or not spy:
+        yield
+        return
+    Path(out).mkdir(parents=True, exist_ok=True)
+    procs = []
+    for pid in web.worker_pids() if pids is None else pids:
+        for fmt in ("raw", "speedscope"):
+            argv = [spy, "record", "-p", str(pid), "--nonblocking", "-r", "250", "-f", fmt]
+            argv += ["--idle"] if idle else []
+            argv += ["-o", str(Path(out) / f"{label}-{pid}.{fmt}")]
+            procs.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    time.sleep(1.0)  # let py-spy attach before the request starts
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGINT)
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
 
 
 _ppid_cache: dict = {"at": 0.0, "map": {}}

@@ -20,7 +20,8 @@ upstream joins both measurements as a third target (relay, LiteLLM, direct rotat
 overhead is printed beside ours; when it cannot be installed or started, the reason is printed.
 
 Knobs (environment): BENCH_LIVE_N (500), BENCH_LIVE_WARMUP (50), BENCH_LIVE_CONCURRENCY (8),
-BENCH_LIVE_SECONDS (5), BENCH_LIVE_UPSTREAM_DELAY_MS (0).
+BENCH_LIVE_SECONDS (5), BENCH_LIVE_UPSTREAM_DELAY_MS (0), BENCH_PYSPY=<dir> (a py-spy profile of the
+gunicorn workers, CPU only, during the relay's throughput run; see bench/batch.py).
 Prints figures; asserts nothing about timings.
 """
 
@@ -157,7 +158,7 @@ def run() -> dict:
         if peer is not None:
             peer_tp = _throughput(f"{peer.url}/v1/chat/completions", peer.headers, body, conc, seconds)
             peer.proc.stop()  # off the CPU before the relay's run
-        with harness.CpuWatch(cpu_groups(stack, web, upstream)) as tp_cpu:
+        with harness.CpuWatch(cpu_groups(stack, web, upstream)) as tp_cpu, harness.profiled(web, "live-throughput"):
             relay_tp = _throughput(relay_url, relay_headers, body, conc, seconds)
 
         from usage.models import UsageEvent
