@@ -80,9 +80,11 @@ def store_native(principal: auth.Principal, submission: ingest.Submission) -> Ba
 def can_stream_native(head: dict) -> bool:
     """Whether a native body can be stored as it is read (store_native_streaming), judged by the
     top-level keys before `requests` (batches.intake has checked that none is the OpenAI surface's):
-    a known shape, a valid `retry` or none, and input files on disk (the COPY reads rows while the
-    parse writes them; a payload store in the database would need the connection meanwhile)."""
-    if head.get("shape") not in Shape.values or storage.backend() != "dir":
+    a known shape, a valid `retry` or none, input files on disk (the COPY reads rows while the parse
+    writes them; a payload store in the database would need the connection meanwhile), and
+    PostgreSQL: the transaction stays open while the body arrives, and SQLite (embedded mode) would
+    hold its one write lock that long, stalling every worker's finish behind a slow upload."""
+    if head.get("shape") not in Shape.values or storage.backend() != "dir" or connection.vendor != "postgresql":
         return False
     try:
         _retry_options(head.get("retry"))
@@ -115,6 +117,7 @@ def store_native_streaming(
     writer = storage.input_writer(str(batch_id))
     try:
         with transaction.atomic():
+            _allow_the_upload()
             rows = ((idx, writer.add(idx, data), "") for idx, data in enumerate(reader.elements()))
             bulk.copy_new_items(batch_id, rows, max_attempts=retry["max_attempts"], stream=True)
             top = reader.top
@@ -132,6 +135,16 @@ def store_native_streaming(
         writer.discard()
         raise
     return batch
+
+
+def _allow_the_upload() -> None:
+    """The COPY lasts as long as the body takes to arrive, which the edge bounds (relay.edge: a 408
+    past RELAY_BODY_READ_SECONDS + size / RELAY_BODY_MIN_RATE). This transaction's statements get that
+    bound for the largest body on top of RELAY_DB_STATEMENT_TIMEOUT_MS, so a slow but legal upload is
+    cut by the edge's 408, never by the database's timeout halfway through."""
+    upload_ms = 1000 * (settings.RELAY_BODY_READ_SECONDS + ingest.body_limit() / settings.RELAY_BODY_MIN_RATE)
+    with connection.cursor() as cursor:
+        cursor.execute(f"SET LOCAL statement_timeout = {int(upload_ms) + settings.RELAY_DB_STATEMENT_TIMEOUT_MS}")
 
 
 def _without_requests(top: dict) -> dict:

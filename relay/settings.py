@@ -105,13 +105,16 @@ DATABASES["default"].setdefault("CONN_MAX_AGE", env.int("DB_CONN_MAX_AGE", defau
 # (relay/db/postgresql: a busy process pays no round trip for it); DB_CONN_HEALTH_CHECKS=0 turns it off.
 DATABASES["default"]["CONN_HEALTH_CHECKS"] = env.bool("DB_CONN_HEALTH_CHECKS", default=True)
 RELAY_DB_HEALTH_CHECK_IDLE_S = env.float("RELAY_DB_HEALTH_CHECK_IDLE_S", default=1.0)
+# No statement runs longer (PostgreSQL); a native batch streamed into its COPY gets the edge's body
+# deadline on top (batches.services.store_native_streaming).
+RELAY_DB_STATEMENT_TIMEOUT_MS = env.int("RELAY_DB_STATEMENT_TIMEOUT_MS", default=60_000)
 if DATABASES["default"]["ENGINE"].endswith("postgresql"):
     DATABASES["default"]["ENGINE"] = "relay.db.postgresql"
     # One frozen process (a paused VM, a half-open connection) must not stall the others: no statement
     # runs, no lock is waited for and no transaction idles past these, and a dead peer is noticed by
     # TCP keepalives instead of hanging a worker for the kernel's default two hours.
     _timeouts = {
-        "statement_timeout": env.int("RELAY_DB_STATEMENT_TIMEOUT_MS", default=60_000),
+        "statement_timeout": RELAY_DB_STATEMENT_TIMEOUT_MS,
         "lock_timeout": env.int("RELAY_DB_LOCK_TIMEOUT_MS", default=10_000),
         "idle_in_transaction_session_timeout": env.int("RELAY_DB_IDLE_IN_TRANSACTION_TIMEOUT_MS", default=30_000),
     }

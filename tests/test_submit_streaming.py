@@ -6,6 +6,7 @@ Real PostgreSQL: the COPY is seen from a second connection while the body is sti
 
 import io
 import json
+import time
 from pathlib import Path
 
 import psycopg2
@@ -75,6 +76,37 @@ def test_items_are_copied_while_the_body_is_still_being_read(catalog):
     assert stream.seen_at_end == {"copying": 1}
     assert Item.objects.filter(batch=got).count() == 3000
     assert sorted(Item.objects.filter(batch=got).values_list("idx", flat=True)) == list(range(3000))
+
+
+class _Pausing(io.RawIOBase):
+    """The body in 64 KiB reads, with one pause halfway: a client that uploads slowly."""
+
+    def __init__(self, data: bytes, pause: float):
+        self.data, self.pos, self.pause = data, 0, pause
+
+    def read(self, n=-1):
+        if n == 0:  # ijson's probe for bytes or text
+            return b""
+        if self.pause and self.pos >= len(self.data) // 2:
+            time.sleep(self.pause)
+            self.pause = 0
+        chunk = self.data[self.pos : self.pos + min(n if n > 0 else 65536, 65536)]
+        self.pos += len(chunk)
+        return chunk
+
+
+def test_a_slow_upload_is_not_cut_by_the_database_statement_timeout(catalog):
+    # The COPY runs while the body arrives; the edge bounds that, not RELAY_DB_STATEMENT_TIMEOUT_MS.
+    principal = auth.principal_for_key(catalog.key)
+    body = json.dumps({"shape": "openai", "requests": [CHAT] * 3000}).encode()
+    with connection.cursor() as cursor:
+        cursor.execute("SET statement_timeout = 200")
+    try:
+        got = intake.receive(_Pausing(body, pause=0.6), principal, on_native=lambda: None)
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("RESET statement_timeout")
+    assert isinstance(got, Batch) and Item.objects.filter(batch=got).count() == 3000
 
 
 def test_without_shape_first_the_body_is_spooled_as_before(catalog):
