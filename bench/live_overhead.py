@@ -16,8 +16,10 @@ Then, from this process, with one keep-alive requests.Session per target:
 2. throughput: 8 client threads for a fixed time against each target; requests/s.
 
 The peer: LiteLLM's proxy (bench/peer_litellm.py, its own virtualenv, 2 workers) on the same fake
-upstream joins both measurements as a third target (relay, LiteLLM, direct rotating), so its
-overhead is printed beside ours; when it cannot be installed or started, the reason is printed.
+upstream is started after the relay's rounds and throughput run and measured the same way in a phase
+of its own (LiteLLM and direct alternating, then its throughput), so its overhead is printed beside
+ours, each against direct calls made at the same time, and neither runs while the other is measured;
+when it cannot be installed or started, the reason is printed.
 
 Knobs (environment): BENCH_LIVE_N (500), BENCH_LIVE_WARMUP (50), BENCH_LIVE_CONCURRENCY (8),
 BENCH_LIVE_SECONDS (5), BENCH_LIVE_UPSTREAM_DELAY_MS (0), BENCH_PYSPY=<dir> (a py-spy profile of the
@@ -25,6 +27,7 @@ gunicorn workers, CPU only, during the relay's throughput run; see bench/batch.p
 Prints figures; asserts nothing about timings.
 """
 
+import contextlib
 import os
 import threading
 import time
@@ -88,6 +91,25 @@ def _throughput(url: str, headers: dict, body: dict, threads: int, seconds: floa
     }
 
 
+def _sequential(targets: list, n: int, warmup: int, watch=contextlib.nullcontext):
+    """`warmup` rounds, then `n` rounds of one call to each target in turn, each on its own keep-alive
+    session. Returns the seconds of every measured call by target name, and what `watch()` (entered
+    around the measured rounds only: a CpuWatch) gave."""
+    sessions = {name: requests.Session() for name, *_ in targets}
+    log(f"sequential: {warmup} warm-up rounds, then {n} rounds ({' , '.join(sessions)} in turn)")
+    for _ in range(warmup):
+        for name, url, headers, b in targets:
+            _post(sessions[name], url, headers, b)
+    times: dict[str, list[float]] = {name: [] for name in sessions}
+    with watch() as watched:
+        for _ in range(n):
+            for name, url, headers, b in targets:
+                times[name].append(_post(sessions[name], url, headers, b))
+    for sess in sessions.values():
+        sess.close()
+    return times, watched
+
+
 def cpu_groups(stack: harness.Stack, web: harness.Web, upstream: harness.Upstream) -> dict:
     return {
         "web (gunicorn)": lambda: harness.process_tree(web.proc.popen.pid),
@@ -121,7 +143,25 @@ def run() -> dict:
             {"Authorization": f"Bearer {harness.UPSTREAM_KEY}"},
         )
 
-        peer, peer_skip = None, ""
+        # The relay and the peer are each measured against the direct call in a phase of their own,
+        # with the other not running: LiteLLM's proxy keeps ~0.75 of a core busy between its requests,
+        # which, interleaved, added ~1 ms to the relay's overhead and ~0.5 ms to the direct call on
+        # a 2-core host (bench/README.md). Each overhead is still the per-round difference against
+        # direct calls made at the same time.
+        relay_target = ("relay", relay_url, relay_headers, body)
+        direct_target = ("direct", direct_url, direct_headers, direct_body)
+        times, seq_cpu = _sequential(
+            [relay_target, direct_target], n, warmup, watch=lambda: harness.CpuWatch(cpu_groups(stack, web, upstream))
+        )
+        relay_t, direct_t = times["relay"], times["direct"]
+        diff = [r - d for r, d in zip(relay_t, direct_t, strict=True)]
+
+        log(f"throughput: {conc} threads x {seconds:g} s per target")
+        direct_tp = _throughput(direct_url, direct_headers, direct_body, conc, seconds)
+        with harness.CpuWatch(cpu_groups(stack, web, upstream)) as tp_cpu, harness.profiled(web, "live-throughput"):
+            relay_tp = _throughput(relay_url, relay_headers, body, conc, seconds)
+
+        peer, peer_skip, peer_t, peer_diff, peer_direct_t, peer_tp = None, "", None, None, None, None
         try:
             log("starting the peer: LiteLLM's proxy on the same fake upstream")
             peer = peer_litellm.start(stack, upstream.url)
@@ -129,37 +169,13 @@ def run() -> dict:
         except peer_litellm.Skip as exc:
             peer_skip = str(exc)
             log(f"peer skipped: {peer_skip}")
-
-        targets = [("relay", relay_url, relay_headers, body)]
         if peer is not None:
-            targets.append(("litellm", f"{peer.url}/v1/chat/completions", peer.headers, body))
-        targets.append(("direct", direct_url, direct_headers, direct_body))
-        sessions = {name: requests.Session() for name, *_ in targets}
-        names = " , ".join(name for name, *_ in targets)
-        log(f"sequential: {warmup} warm-up rounds, then {n} rounds ({names} in turn)")
-        for _ in range(warmup):
-            for name, url, headers, b in targets:
-                _post(sessions[name], url, headers, b)
-        times: dict[str, list[float]] = {name: [] for name, *_ in targets}
-        with harness.CpuWatch(cpu_groups(stack, web, upstream)) as seq_cpu:
-            for _ in range(n):
-                for name, url, headers, b in targets:
-                    times[name].append(_post(sessions[name], url, headers, b))
-        for sess in sessions.values():
-            sess.close()
-        relay_t, direct_t = times["relay"], times["direct"]
-        diff = [r - d for r, d in zip(relay_t, direct_t, strict=True)]
-        peer_t = times.get("litellm")
-        peer_diff = [r - d for r, d in zip(peer_t, direct_t, strict=True)] if peer_t else None
-
-        log(f"throughput: {conc} threads x {seconds:g} s per target")
-        direct_tp = _throughput(direct_url, direct_headers, direct_body, conc, seconds)
-        peer_tp = None
-        if peer is not None:
-            peer_tp = _throughput(f"{peer.url}/v1/chat/completions", peer.headers, body, conc, seconds)
-            peer.proc.stop()  # off the CPU before the relay's run
-        with harness.CpuWatch(cpu_groups(stack, web, upstream)) as tp_cpu, harness.profiled(web, "live-throughput"):
-            relay_tp = _throughput(relay_url, relay_headers, body, conc, seconds)
+            peer_url = f"{peer.url}/v1/chat/completions"
+            times, _ = _sequential([("litellm", peer_url, peer.headers, body), direct_target], n, warmup)
+            peer_t, peer_direct_t = times["litellm"], times["direct"]
+            peer_diff = [r - d for r, d in zip(peer_t, peer_direct_t, strict=True)]
+            peer_tp = _throughput(peer_url, peer.headers, body, conc, seconds)
+            peer.proc.stop()
 
         from usage.models import UsageEvent
 
@@ -184,6 +200,7 @@ def run() -> dict:
                 "p99": percentile(peer_t, 99) * ms,
                 "overhead_median": percentile(peer_diff, 50) * ms,
                 "overhead_p99": percentile(peer_diff, 99) * ms,
+                "direct_median": percentile(peer_direct_t, 50) * ms,
                 "tp": peer_tp,
             }
             if peer is not None
@@ -225,6 +242,11 @@ def print_report(r: dict) -> None:
     print(harness.table(["sequential latency", "median ms", "p99 ms"], rows))
     if p is None:
         print(f"peer (LiteLLM) skipped: {r['peer_skip']}")
+    else:
+        print(
+            f"(LiteLLM's rounds ran after the relay's, alternating with direct calls whose median then was "
+            f"{p['direct_median']:.2f} ms; its overhead is against those)"
+        )
     print(r["seq_cpu"])
     print()
     rows = []
