@@ -6,9 +6,12 @@ so a 50,000-item, 32 MiB body never sits in memory as one document. Top-level
 keys other than `requests` are small and returned whole.
 
 Both batch surfaces share one POST URL and are told apart by the top-level
-keys, which may come after `requests` in the body. `read_submission` therefore
-parses the body once and spools each element (as compact JSON, one per line) to
-a temporary file; the surface is picked afterwards and reads the spool back.
+keys, which may come after `requests` in the body. `SubmissionReader` parses the
+body once, in stages: head() answers the keys before `requests`; when they
+already say which surface it is, the caller stores each element as it is parsed
+(services.store_native_streaming); otherwise `read_submission` spools each
+element (as compact JSON, one per line) to a temporary file, and the surface is
+picked afterwards and reads the spool back.
 """
 
 import hashlib
@@ -98,28 +101,14 @@ class _PyItemBuilder:
             self.builder = None
 
 
-def parse(stream, on_item) -> dict:
-    """Call `on_item(idx, obj)` for every element of `requests`; return the other top-level keys.
-
-    `requests` is reported as present (key "requests" → number of items) when it is an array.
-    """
-    steps = _steps(stream)
-    while True:
-        try:
-            step = next(steps)
-        except StopIteration as done:
-            return done.value
-        if step[0] is not REQUESTS_START:
-            on_item(*step)
-
-
 # What _steps yields, with the top-level keys seen so far, when the `requests` array starts.
 REQUESTS_START = object()
 
 
 def _steps(stream):
     """A generator: `(REQUESTS_START, top so far)` when `requests` starts, then `(idx, obj)` for each of
-    its elements; returns the top-level keys other than the elements (see parse()).
+    its elements; returns the other top-level keys, with `requests` reported as present (key
+    "requests" → number of elements) when it is an array.
 
     The events of an element go to a builder in C (_item_builder), so the Python loop below does
     one call and one test per event of the 50,000 elements' million events.
@@ -307,7 +296,7 @@ class SubmissionReader:
         pending_size = 0
         try:
             for data in self.elements():
-                # json.dumps escapes newlines inside strings, so one element is one line.
+                # JSON escapes newlines inside strings, so one element is one line.
                 pending.append(data)
                 pending_size += len(data) + 1
                 if pending_size >= _SPOOL_WRITE:

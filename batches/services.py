@@ -128,8 +128,10 @@ def store_native_streaming(
             writer.close()
             batch = _create_native(principal, batch_id, top["shape"], reader.count, retry)
     except _Replay:
-        spool = writer.read_back()
-        writer.discard()
+        try:
+            spool = writer.read_back()
+        finally:
+            writer.discard()
         return ingest.Submission(reader.top, reader.count, spool, reader.sha256)
     except BaseException:
         writer.discard()

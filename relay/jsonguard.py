@@ -109,8 +109,8 @@ def encode(value, path: str = "", *, max_depth: int = MAX_DEPTH) -> bytes:
     check()'s guarantees; JSONGuardError as check() raises it.
 
     The usual value is checked by its own encoding rather than by walking it in Python. orjson
-    encodes it first (about 8 times faster than the json module: the 50,000-element submit spent a
-    fifth of its CPU here): it refuses a lone surrogate and an integer past 64 bits, a NUL can only
+    encodes it first (the bench's 50,000 submitted elements: 0.27 s with the json module's encoder,
+    0.02-0.11 s with orjson): it refuses a lone surrogate and an integer past 64 bits, a NUL can only
     appear escaped as `\u0000`, and a value with at most `max_depth` brackets in its text cannot
     nest deeper. orjson writes a non-finite float as `null`, so any output holding the bytes `null`
     (a real null, or merely the word in a string) goes the careful way: json.dumps(allow_nan=False)
