@@ -30,7 +30,7 @@ from batches.outcomes import Code
 from batches.tools import config as tools_config
 from batches.tools.loop import run_tool_loop
 from policies import lua
-from relay import auth, catalog, jsonguard, pipeline, routing, upstream
+from relay import auth, catalog, jsonguard, pipeline, processes, routing, upstream
 from relay.errors import RelayError
 from usage.pricing import with_batch_price
 from usage.services import event_row, record_event
@@ -243,15 +243,7 @@ def warm_up(*, own_connection: bool = True) -> None:
         ("upstream", upstream.warm),
         ("bookkeeper", _warm_bookkeeper),
     )
-    started, failed = time.monotonic(), []
-    for name, step in steps:
-        try:
-            step()
-        except Exception:
-            failed.append(name)
-            log.warning("warm-up step %r failed; the first item does it", name, exc_info=True)
-    took = (time.monotonic() - started) * 1000
-    log.info("worker process warmed up in %.0f ms%s", took, f" (failed: {', '.join(failed)})" if failed else "")
+    processes.run_warm_up(steps, log, what="worker process", first="item")
 
 
 def _warm_bookkeeper() -> None:

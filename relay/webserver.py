@@ -56,29 +56,19 @@ def warm_up() -> None:
     Best effort: a step that fails is done by the first request instead. The worker's main thread
     serves no request, so its database connection is closed again."""
     import logging
-    import time
 
     from django.db import connections
     from django.urls import get_resolver
 
-    from relay import routing, upstream
+    from relay import processes, routing, upstream
 
-    log = logging.getLogger("relay.webserver")
     steps = (
         ("urls", lambda: get_resolver().url_patterns),
         ("catalog", routing.warm),
         ("upstream", upstream.warm),
+        ("connection", connections.close_all),  # the main thread's: it serves no request
     )
-    started, failed = time.monotonic(), []
-    for name, step in steps:
-        try:
-            step()
-        except Exception:
-            failed.append(name)
-            log.warning("web warm-up step %r failed; the first request does it", name, exc_info=True)
-    connections.close_all()
-    took = (time.monotonic() - started) * 1000
-    log.info("web worker warmed up in %.0f ms%s", took, f" (failed: {', '.join(failed)})" if failed else "")
+    processes.run_warm_up(steps, logging.getLogger("relay.webserver"), what="web worker", first="request")
 
 
 def main() -> None:  # pragma: no cover - compose.yaml and the Dockerfile run it
