@@ -34,8 +34,9 @@ BENCH_THROUGHPUT_ITEMS (2000), BENCH_LATENCY_MS (100), BENCH_CEILING_ITEMS (1000
 BENCH_SKIP_OPENAI_UPLOAD=1, BENCH_RESULTS_VIA_WORKER=1, BENCH_KEEP_DB=1 (keep relay_bench_batch),
 BENCH_ONLY_IO=1 (parts a, c and d only: no worker is started, b, e and f are skipped; a few minutes),
 BENCH_PYSPY=<dir> (record a py-spy profile, raw and speedscope, of the gunicorn workers while a and c
-run, and of the item worker's processes during b's first drain (wall time; BENCH_PYSPY_IDLE=0: CPU
-only), into <dir>; needs py-spy in the venv and ptrace rights).
+run, and of the item worker's process during b's first drain (wall time; BENCH_PYSPY_IDLE=0: CPU
+only; BENCH_PYSPY_GIL=1: only the thread holding the GIL), into <dir>; needs py-spy in the venv and
+ptrace rights).
 Prints figures; asserts nothing about timings.
 """
 
@@ -520,7 +521,9 @@ def run() -> dict:
             # Profiled with BENCH_PYSPY: the item worker's pool processes, wall time (--idle; CPU only
             # with BENCH_PYSPY_IDLE=0).
             idle = os.environ.get("BENCH_PYSPY_IDLE", "1") != "0"
-            with harness.profiled(web, "drain", pids=harness.children_of(worker.popen.pid), idle=idle):
+            with harness.profiled(
+                web, "drain", pids=[worker.popen.pid, *harness.children_of(worker.popen.pid)], idle=idle
+            ):
                 r["tp"] = throughput(web, key, upstream, stack.tmp, tp_n, latency, item_bytes, cpu_groups)
             r["tp_results"] = fetch_results(web, key, r["tp"]["id"], cpu_groups)
             if ceiling_n > 0:

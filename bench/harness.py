@@ -309,6 +309,8 @@ def profiled(web: "Web", label: str, pids=None, idle: bool = False):
         for fmt in ("raw", "speedscope"):
             argv = [spy, "record", "-p", str(pid), "--nonblocking", "-r", "250", "-f", fmt]
             argv += ["--idle"] if idle else []
+            # BENCH_PYSPY_GIL=1: only the samples of the thread holding the GIL, the interpreter's real CPU time.
+            argv += ["--gil"] if os.environ.get("BENCH_PYSPY_GIL") == "1" else []
             argv += ["-o", str(Path(out) / f"{label}-{pid}.{fmt}")]
             procs.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     time.sleep(1.0)  # let py-spy attach before the request starts
@@ -687,7 +689,7 @@ class CpuWatch:
         return {name: used * 1000 / max(1, units) for name, used in self.used.items()}
 
     def describe(self, units: int, unit: str) -> str:
-        parts = ", ".join(f"{name} {ms:.1f}" for name, ms in self.per_unit_ms(units).items())
+        parts = ", ".join(f"{name} {ms:.2f}" for name, ms in self.per_unit_ms(units).items())
         ours = sum(self.used.values()) / self.elapsed
         return (
             f"CPU ms per {unit}: {parts}; these processes used {ours:.2f} cores, the whole machine was "

@@ -28,6 +28,7 @@
 #   BENCH_ONLY_IO             [0]     1 runs only the batch benchmark's submit, results and upload parts (a, c, d)
 #   BENCH_PYSPY               []      a directory: py-spy profiles of the web workers during a, c, d and of the
 #                                     item worker during b (wall time; BENCH_PYSPY_IDLE=0: CPU only; py-spy installed)
+#   BENCH_PYSPY_GIL           [0]     1: py-spy records only the thread holding the GIL (--gil): the interpreter's CPU
 #   BENCH_RESULTS_VIA_WORKER  [0]     1 runs the 50,000 items through the worker (0 ms) instead of
 #                                     completing them in the database before the results fetch (slow)
 #   BENCH_KEEP_DB             [0]     1 keeps relay_bench_batch after the run, for inspection
