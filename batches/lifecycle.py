@@ -44,9 +44,11 @@ import hashlib
 import logging
 import os
 import re
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable
+from contextlib import contextmanager
 
 from django.conf import settings
 from django.db import OperationalError, connection, models, transaction
@@ -250,8 +252,17 @@ started AS (
     UPDATE batches_batch SET status = 'running'
     WHERE id = (SELECT batch_id FROM claimed) AND surface = 'native' AND status = 'queued'
 )
-SELECT {pending} AS pending, claimed.* FROM (SELECT 1) AS one LEFT JOIN claimed ON true
+SELECT {pending} AS pending, claimed.*,
+       CASE WHEN %(async_commit)s THEN set_config('synchronous_commit', 'off', true) END AS async_commit
+FROM (SELECT 1) AS one LEFT JOIN claimed ON true
 """
+# A claim on its own commits without waiting for its WAL to reach the disk (synchronous_commit off for
+# its own transaction only: `async_commit`). A claim is not work: the item's finish, a synchronous
+# commit, flushes the WAL up to its own record and with it the claim's. Only a PostgreSQL crash inside
+# the WAL writer's delay (200 ms) after a claim can lose it; the item is then available again and runs
+# once more, as after a worker killed mid-call, and the lost claim's finish is refused by its fence.
+# perf of the backends in a drain: the commits' fdatasync was 17% of their CPU, two per item before.
+# A claim that carries a finish in front of it (`HeldFinish`) commits synchronously, for the finish.
 # `pending`: does the batch of the drain's previous item (`check`, finished by an earlier, committed
 # statement) still have an item available or running? The completion check of that finish, made by the
 # next claim rather than by a statement of its own; as race-free as the separate check (it reads a
@@ -298,7 +309,13 @@ def claim(owner: str, floor: tuple | None = None, check=None) -> Item | None:
     params = {"owner": owner, "now": now, "lease": lease, "floor_batch": None, "floor": 0, "check": check}
     if floor is not None:
         params["floor_batch"], params["floor"] = floor
+    front = getattr(_held, "front", None)
     item, pending = _claim_one(_CLAIM_FAIREST_SQL, params)
+    if front is not None and front.sent and check is not None and (item is None or item.batch_id != check):
+        # The finish in front shared this claim's snapshot, which predates its own commit and any other
+        # process's finish committing beside it: `pending` may be stale for `check`. Checked again now
+        # that both committed (a claim in the same batch needs no check: its item is pending).
+        pending = False
     if not pending:
         complete_if_done(check)
     if item is not None:
@@ -325,18 +342,25 @@ _PARAM_TYPES = {
     "floor": "integer",
     "check": "uuid",
     "batch": "uuid",
+    "async_commit": "boolean",
 }
 _prepared_on: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # DB-API connection → names
 
 
-def _prepared(name: str, sql: str) -> tuple[str, str]:
-    """(PREPARE, EXECUTE) of a statement written with %(name)s parameters (those of _PARAM_TYPES)."""
+def _prepared(name: str, sql: str) -> tuple[str, str, str, tuple[str, ...]]:
+    """(PREPARE, EXECUTE, the EXECUTE with positional %s, their parameters' names) of a statement written
+    with %(name)s parameters (those of _PARAM_TYPES). The positional form goes behind a held finish."""
     used = [n for n in _PARAM_TYPES if f"%({n})s" in sql]
     body = sql
     for i, n in enumerate(used, 1):
         body = body.replace(f"%({n})s", f"${i}")
     types = ", ".join(_PARAM_TYPES[n] for n in used)
-    return f"PREPARE {name}({types}) AS {body}", f"EXECUTE {name}({', '.join(f'%({n})s' for n in used)})"
+    return (
+        f"PREPARE {name}({types}) AS {body}",
+        f"EXECUTE {name}({', '.join(f'%({n})s' for n in used)})",
+        f"EXECUTE {name}({', '.join(['%s'] * len(used))})",
+        tuple(used),
+    )
 
 
 _CLAIM_STATEMENTS = {
@@ -379,21 +403,32 @@ def warm_up() -> None:
         return
     with connection.cursor() as cursor:
         prepared = _prepared_on.setdefault(connection.connection, set())
-        for name, prepare, execute in _CLAIM_STATEMENTS.values():
+        for name, prepare, execute, _, _ in _CLAIM_STATEMENTS.values():
             if name not in prepared:
                 _prepare(cursor, prepared, name, prepare, execute)
 
 
 def _claim_one(sql: str, params: dict) -> tuple[Item | None, bool]:
     """Run a claim statement: (the claimed item or None, `pending`). The row becomes an Item through
-    `Model.from_db` (what a queryset does per row), without a RawQuerySet's per-query set-up."""
+    `Model.from_db` (what a queryset does per row), without a RawQuerySet's per-query set-up. A finish
+    held for this thread's next claim (`in_front_of_claim`) goes first, in the same round trip and
+    transaction: a query string of two statements, one implicit transaction, committed synchronously."""
     global _item_columns
-    name, prepare, execute = _CLAIM_STATEMENTS[sql]
+    name, prepare, execute, positional, used = _CLAIM_STATEMENTS[sql]
+    front = getattr(_held, "front", None)
     with connection.cursor() as cursor:
         prepared = _prepared_on.setdefault(connection.connection, set())
         if name not in prepared:
             _prepare(cursor, prepared, name, prepare, execute)
-        cursor.execute(execute, params)
+        if front is None or front.sent:
+            cursor.execute(execute, {**params, "async_commit": True})
+        else:
+            if front.name not in prepared:
+                cursor.execute(front.prepare)
+                prepared.add(front.name)
+            values = {**params, "async_commit": False}
+            cursor.execute(f"{front.execute};\n{positional}", [*front.params, *(values[n] for n in used)])
+            front.sent = True  # committed: autocommit ends the implicit transaction with the query string
         row = cursor.fetchone()
         if _item_columns is None:
             names = [col[0] for col in cursor.description]
@@ -560,7 +595,56 @@ def finish_item_at_once(
             transaction.on_commit(lambda: complete_if_done(batch_id))
         return won
 
+    held = getattr(_held, "finish", None)
+    if held is not None and held.execute is None and not check_done:
+        held.name, held.prepare, held.execute, held.params = name, prepare, execute, params
+        held.write = lambda: durably(write)
+        return None
     return durably(write)
+
+
+# A finish held back for the next claim (services._Bookkeeper pairs them): per thread.
+_held = threading.local()
+
+
+class HeldFinish:
+    """A finish statement built but not yet run (`holding_finish`): it goes to PostgreSQL in front of
+    this thread's next claim (`in_front_of_claim`), in one round trip and one transaction. The
+    bookkeeper thread runs an item's finish and the next claim back to back; as one query string
+    they cost one statement's client work, wake-ups and commit instead of two (measured with psycopg2
+    on two prepared UPDATEs: 108 → 54 µs of the client's CPU and 195 → 135 µs of the backend's per pair).
+    `sent`: committed with a claim. `write`: the finish alone, through `durably`, when no claim took
+    it or the pair failed (the pair's transaction then wrote nothing). What the finish's fence
+    matched is not reported when it went with a claim (the drain does not look at it)."""
+
+    __slots__ = ("name", "prepare", "execute", "params", "write", "sent")
+
+    def __init__(self):
+        self.name = self.prepare = self.execute = self.params = self.write = None
+        self.sent = False
+
+
+@contextmanager
+def holding_finish():
+    """Within the block, a drain's finish on PostgreSQL (`finish_item_at_once` with check_done=False)
+    is built and held, not run: the block yields the HeldFinish (its `execute` stays None when no
+    finish was held)."""
+    held = HeldFinish()
+    _held.finish = held
+    try:
+        yield held
+    finally:
+        _held.finish = None
+
+
+@contextmanager
+def in_front_of_claim(held: HeldFinish):
+    """Within the block, this thread's next claim statement carries `held` in front of it."""
+    _held.front = held
+    try:
+        yield
+    finally:
+        _held.front = None
 
 
 def _finish_shape(names: tuple[str, ...], rows: tuple[tuple[str, tuple[str, ...]], ...]):

@@ -181,9 +181,10 @@ def test_the_claim_walks_item_available_in_idx_order_whatever_the_statistics(cat
 
     batch = native_batch(catalog, 300)
     lifecycle.warm_up()
-    _, _, execute = lifecycle._CLAIM_STATEMENTS[lifecycle._CLAIM_FAIREST_SQL]
+    _, _, execute, _, _ = lifecycle._CLAIM_STATEMENTS[lifecycle._CLAIM_FAIREST_SQL]
     now = timezone.now()
     params = {"owner": "x", "now": now, "lease": now, "floor_batch": batch.pk, "floor": 10, "check": batch.pk}
+    params["async_commit"] = True
     with connection.cursor() as cursor:
         cursor.execute("EXPLAIN " + execute, params)
         plan = "\n".join(row[0] for row in cursor.fetchall())
@@ -275,3 +276,110 @@ def test_the_bookkeeper_thread_outlives_errors(catalog, django_db_blocker):
         keeper.submit(keeper._beat).result(timeout=30)
     assert keeper.submit(lambda: "still here").result(timeout=30) == "still here"
     assert keeper.alive() and services._bookkeeper() is keeper
+
+
+def test_a_claim_commits_without_waiting_for_the_disk_and_the_finish_waits(catalog):
+    """The claim's own transaction runs with synchronous_commit off; nothing else does. Seen from inside
+    one transaction (a claim and SHOW in the same one), and from the session after it."""
+    from django.db import connection, transaction
+
+    batch = native_batch(catalog, 2)
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute("SHOW synchronous_commit")
+        assert cursor.fetchone()[0] == "on"
+        assert lifecycle.claim("a").batch_id == batch.pk
+        cursor.execute("SHOW synchronous_commit")
+        assert cursor.fetchone()[0] == "off"
+    item = lifecycle.claim("b")  # autocommit, as a drain claims
+    with connection.cursor() as cursor:
+        cursor.execute("SHOW synchronous_commit")
+        assert cursor.fetchone()[0] == "on"  # set for the claim's transaction only: the finish waits
+    assert lifecycle.finish_item(item, "completed", _nothing, check_done=False)
+    assert Item.objects.get(pk=item.pk).state == "completed"
+
+
+# --- an item's finish sent in front of the next claim (services._run_pair, lifecycle.HeldFinish) ---
+
+
+def held_finish(item, state="completed"):
+    with lifecycle.holding_finish() as held:
+        assert lifecycle.finish_item_at_once(item, state, [], check_done=False) is None  # built, not run
+    assert held.execute is not None and not held.sent
+    return held
+
+
+def test_a_finish_and_the_next_claim_go_as_one_statement_that_waits_for_the_disk(catalog):
+    from django.db import connection, transaction
+    from django.test.utils import CaptureQueriesContext
+
+    batch = native_batch(catalog, 3)
+    first = lifecycle.claim("a")
+    held = held_finish(first)
+    assert Item.objects.get(pk=first.pk).state == "running"
+    with transaction.atomic(), CaptureQueriesContext(connection) as queries:
+        with lifecycle.in_front_of_claim(held):
+            second = lifecycle.claim("a", (first.batch_id, first.idx), check=batch.pk)
+        with connection.cursor() as cursor:
+            cursor.execute("SHOW synchronous_commit")
+            assert cursor.fetchone()[0] == "on"  # the pair's commit waits for the disk, for the finish
+    statements = [q["sql"] for q in queries.captured_queries if "EXECUTE relay_" in q["sql"]]
+    assert len(statements) == 1 and "relay_finish_" in statements[0] and "relay_claim_fairest" in statements[0]
+    assert held.sent and second.idx == 1
+    assert Item.objects.get(pk=first.pk).state == "completed"
+    assert Item.objects.get(pk=second.pk).state == "running"
+
+
+def _pair(finish_fn, claim_fn):
+    from concurrent.futures import Future
+
+    f, c = Future(), Future()
+    services._run_pair((f, finish_fn), (c, claim_fn))
+    return f, c
+
+
+def test_a_pair_whose_statement_fails_makes_the_finish_on_its_own(catalog):
+    """The pair is one transaction: when the claim part fails (here a lease owner longer than its
+    column), nothing of it is written, and the finish is then made alone."""
+    from django.db import DataError
+
+    native_batch(catalog, 3)
+    first = lifecycle.claim("a")
+    f, c = _pair(
+        lambda: lifecycle.finish_item_at_once(first, "completed", [], check_done=False),
+        lambda: lifecycle.claim("x" * 200),
+    )
+    assert f.result() is True  # made alone: its fence's answer is known again
+    with pytest.raises(DataError):
+        c.result()
+    assert Item.objects.get(pk=first.pk).state == "completed"
+    assert Item.objects.filter(state="running").count() == 0  # the failed claim took nothing
+
+
+def test_a_pair_whose_claim_fails_before_its_statement_makes_the_finish_on_its_own(catalog):
+    native_batch(catalog, 2)
+    first = lifecycle.claim("a")
+    f, c = _pair(lambda: lifecycle.finish_item_at_once(first, "completed", [], check_done=False), lambda: 1 / 0)
+    assert f.result() is True
+    with pytest.raises(ZeroDivisionError):
+        c.result()
+    assert Item.objects.get(pk=first.pk).state == "completed"
+
+
+def test_a_pair_that_claims_in_another_batch_checks_the_finished_one_after_its_commit(catalog, monkeypatch):
+    """The claim shares the pair's snapshot, taken before the finish (and any other process's finish
+    beside it) committed, so what it says of the finished item's batch may be stale: when it claims
+    elsewhere, the batch is checked again once the pair committed (here: its other item is running)."""
+    done = native_batch(catalog, 2)
+    mine, theirs = lifecycle.claim("a"), lifecycle.claim("b")
+    other = native_batch(catalog, 2)
+    checked = []
+    real = lifecycle.complete_if_done
+    monkeypatch.setattr(lifecycle, "complete_if_done", lambda batch_id: checked.append(batch_id) or real(batch_id))
+    f, c = _pair(
+        lambda: lifecycle.finish_item_at_once(mine, "completed", [], check_done=False),
+        lambda: lifecycle.claim("a", (mine.batch_id, mine.idx), check=done.pk),
+    )
+    assert f.result() is None and c.result().batch_id == other.pk  # sent together
+    assert checked == [done.pk]
+    assert lifecycle.finish_item(theirs, "completed", _nothing, check_done=False)
+    assert lifecycle.complete_if_done(done.pk)
