@@ -927,7 +927,9 @@ def drain(max_items: int = 500, max_seconds: float = 120.0) -> int:
     has more than RELAY_BATCH_CLAIM_AHEAD_MIN_LEFT items after this one. So a slot goes from one
     upstream call to the next without a database round trip in between. A batch's completion is
     checked by the first claim made after its item's write committed (`claim(check=…)`: no statement
-    of its own), and for what is left, when the drain ends.
+    of its own), and for what is left, when the drain ends. The bookkeeper sends an item's finish in
+    front of the claim handed over right behind it, as one round trip (`_run_pair`); such a claim,
+    sharing the finish's transaction, checks again after the commit when it claims elsewhere.
 
     An item's success settle goes to Redis with the next item's key pick (`lua.deferring`), and the
     batch's input file stays open for the drain (`storage.read_input`).
