@@ -386,12 +386,9 @@ class _Bookkeeper:
                     except queue.Empty:
                         pass
                     if following is not None and getattr(following[1], "takes_a_finish", False):
-                        job, following = (job, following), None
-                if job is None:
-                    pass
-                elif isinstance(job[0], tuple):
-                    _run_pair(*job)
-                else:
+                        _run_pair(job, following)
+                        job = following = None
+                if job is not None:
                     _run_job(*job)
                 if time.monotonic() >= next_beat:
                     next_beat = time.monotonic() + settings.RELAY_BATCH_HEARTBEAT_SECONDS
@@ -444,22 +441,17 @@ def _run_pair(finish_job: tuple, claim_job: tuple) -> None:
     if not f_future.set_running_or_notify_cancel():
         _run_job(c_future, c_fn)
         return
-    try:
-        with lifecycle.holding_finish() as held:
-            value = f_fn()
-    except BaseException as exc:
-        f_future.set_exception(exc)
-        _run_job(c_future, c_fn)
-        return
-    if held.execute is None:  # nothing was held (not the one-statement finish): it ran in f_fn
-        f_future.set_result(value)
+    with lifecycle.holding_finish() as held:
+        made = _outcome(f_fn)
+    if not made[0] or held.execute is None:  # it failed, or nothing was held (it ran in f_fn)
+        _settle_future(f_future, made)
         _run_job(c_future, c_fn)
         return
     claim_ran = c_future.set_running_or_notify_cancel()
     if claim_ran:
         with lifecycle.in_front_of_claim(held):
             claim_outcome = _outcome(c_fn)
-    _settle_future(f_future, (True, value) if held.sent else _outcome(held.write))
+    _settle_future(f_future, made if held.sent else _outcome(held.write))
     if claim_ran:
         _settle_future(c_future, claim_outcome)
 
