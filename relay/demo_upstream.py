@@ -31,6 +31,7 @@ class Reply:
     drip_seconds: float = 0.0  # send the body one byte at a time over this long
     hang: bool = False  # accept and never answer (until the server stops)
     gate: threading.Event | None = None  # hold the answer until the test opens the gate
+    raw: bytes | None = None  # the body byte for byte (a provider's own escaping), instead of `body`
 
 
 def _tokens(text: str) -> int:
@@ -324,14 +325,14 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if reply.delay:
             srv.stopping.wait(reply.delay)
-        if self.path not in KNOWN_PATHS and reply.body is None:
+        if self.path not in KNOWN_PATHS and reply.body is None and reply.raw is None:
             reply = Reply(status=404, body={"error": {"message": f"no route {self.path}", "type": "not_found"}})
         try:
             answer = reply.body if reply.body is not None else canned(self.path, body)
         except (AttributeError, TypeError, ValueError):  # a malformed body: a provider answers 400, not a hang-up
             reply = Reply(status=400)
             answer = {"error": {"message": "malformed request body", "type": "invalid_request_error"}}
-        payload = json.dumps(answer).encode()
+        payload = reply.raw if reply.raw is not None else json.dumps(answer).encode()
         self.send_response(reply.status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(payload)))

@@ -9,6 +9,7 @@ item (so it is written exactly once with the item's final state).
 """
 
 import json
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -25,6 +26,8 @@ from relay.errors import RelayError
 from relay.retry_after import header_seconds, parse_retry_after
 from usage.pricing import cost_nano_usd
 from usage.tokens import Tokens, parse_usage
+
+log = logging.getLogger(__name__)
 
 MAX_KEY_ATTEMPTS = 3
 ERROR_BODY_LIMIT = 8 * 1024
@@ -189,7 +192,7 @@ def _dispatch(call: Call, ctx: dict, started: float) -> Outcome:
                 last_error = exc
                 if exc.kind in ("timeout", "cancelled", "too_large"):
                     breaker.release_probe(cand.key_hash)
-                    raise _upstream_error_to_relay(exc) from exc
+                    raise _upstream_error_to_relay(exc, call.request_id) from exc
                 breaker.record_failure(
                     cand.key_hash, Failure.UNREACHABLE if exc.kind == "unreachable" else Failure.NETWORK
                 )
@@ -253,7 +256,7 @@ def _dispatch(call: Call, ctx: dict, started: float) -> Outcome:
             error_message=f"upstream returned {last_response.status}",
         )
     if last_error is not None:
-        raise _upstream_error_to_relay(last_error)
+        raise _upstream_error_to_relay(last_error, call.request_id)
     if not tried_any:
         if picks.retry_after_ms is not None:  # keys the pick passed over: breaker cooldowns, spent tiers
             waits.append(picks.retry_after_ms / 1000)
@@ -361,16 +364,22 @@ def _input_side(tokens: Tokens) -> int:
     return tokens.input + tokens.cache_read + tokens.cache_write
 
 
-def _upstream_error_to_relay(exc: upstream.UpstreamError) -> RelayError:
-    if exc.kind == "timeout":
-        return RelayError(504, "timeout", f"upstream call exceeded its deadline: {exc.message}")
-    if exc.kind == "cancelled":
-        return RelayError(499, "client_canceled", "cancelled")
-    if exc.kind == "unreachable":
-        return RelayError(502, "upstream_unreachable", exc.message[:300])
-    if exc.kind == "too_large":
-        return RelayError(502, "upstream_error", exc.message)
-    return RelayError(502, "upstream_error", exc.message[:300])
+# What a tenant reads when no HTTP answer came: one fixed sentence per cause, with its code. The
+# exception's own text (hosts, ports, library class names) goes to the log only, under the request id.
+_TRANSPORT_ERRORS = {
+    "timeout": (504, "timeout", "the upstream provider did not answer within the deadline"),
+    "cancelled": (499, "client_canceled", "cancelled"),
+    "unreachable": (502, "upstream_unreachable", "the upstream provider could not be reached"),
+    "network": (502, "upstream_error", "the connection to the upstream provider broke"),
+    "too_large": (502, "upstream_error", "the upstream answer exceeded the relay's size limit"),
+}
+
+
+def _upstream_error_to_relay(exc: upstream.UpstreamError, request_id: str) -> RelayError:
+    status, code, message = _TRANSPORT_ERRORS.get(exc.kind, _TRANSPORT_ERRORS["network"])
+    if exc.kind != "cancelled":
+        log.warning("request %s: upstream %s: %s", request_id, exc.kind, exc.message)
+    return RelayError(status, code, f"{message} (request {request_id})" if request_id else message)
 
 
 def _finish(

@@ -1,22 +1,40 @@
-"""Host-key values never leave the relay (issue 12).
+"""No secret leaves the relay, in any encoding (docs/decisions/0004-redaction.md).
 
 A provider may echo the credential it was sent (a 401 body such as
-`Incorrect API key provided: sk-live-…`). Every byte string that came from a
-provider passes through here before it reaches a caller, a result or error
-file, an item's kept error body, or a log line; each known host-key value in it
-is replaced by REDACTED.
+`Incorrect API key provided: sk-live-…`), and it may echo it escaped: one character written
+as `\\u002d` passes a plain substring match and is decoded again by whoever parses the JSON (the
+relay when it re-serializes a result, the tenant's client on a live call). So every byte string
+that came from a provider passes through here before it reaches a caller, a result or error
+file, an item's kept error body, or a log line, and each secret in it is replaced by REDACTED
+in every form we know of:
 
-Known values: every value the pipeline decrypted to call a provider
-(`remember()`: all pool keys of the route, so the key actually sent is always
-covered, even one rotated a second ago). With `load=True` (the default) also
-all HostKey values in the catalog, reloaded at most every RELOAD_SECONDS. The
-pipeline and log lines use `load=False`: no database query on the hot path or
-inside logging.
+- plain;
+- JSON-escaped (any character as `\\uXXXX`, `/` as `\\/`), percent-encoded (`%2D`) and as HTML
+  character references (`&#x2d;`, `&#45;`), mixed, and nested in one another: the text is decoded
+  layer by layer as a reader would (`\\\\u002d`, a JSON string inside a JSON string, is `\\u002d`
+  after one layer and `-` after two; `%252D` is `%2D`, then `-`), up to four layers;
+- base64 and base64url: a run of base64 letters is decoded and redacted whole when what it holds
+  has a secret in any of these forms (nested too, to a depth of 3); and a secret's own base64
+  letters at each of the three byte alignments are found inside longer runs;
+- and a JSON body is checked once more on its decoded form: each string value is decoded,
+  redacted, and the body re-encoded when one of them held a secret the raw text did not show.
+
+Secrets: every host-key value the pipeline decrypted to call a provider (`remember()`: all pool
+keys of the route, so the key actually sent is always covered, even one rotated a second ago);
+with `load=True` (the default) every HostKey value in the catalog, reloaded at most every
+RELOAD_SECONDS; the master key, admin token and Django secret key of the settings; and anything
+shaped like a relay key (`sk-wr-` and 32+ key letters), whose secrets the relay never stores.
+The pipeline and log lines use `load=False`: no database query on the hot path or in logging.
 """
 
+import base64
+import binascii
 import logging
+import re
 import threading
 import time
+
+import orjson
 
 log = logging.getLogger(__name__)
 
@@ -25,11 +43,20 @@ REDACTED = "[host key redacted]"
 MIN_LENGTH = 8
 RELOAD_SECONDS = 60.0
 _MAX_REMEMBERED = 10_000
+# How deep base64 inside base64 is opened, and how many layers of escapes are decoded.
+_MAX_DEPTH = 3
+_MAX_LAYERS = 4
+# A run this long may hold a secret of MIN_LENGTH bytes in base64 (8 bytes → 12 letters).
+_B64_RUN = re.compile(r"[A-Za-z0-9+/_-]{12,}={0,2}")
+# Relay key secrets are never stored, so they are found by their shape (relay.crypto.new_relay_key).
+_RELAY_KEY_PREFIX = "sk-wr-"
+_RELAY_KEY_LETTERS = 32
 
 _lock = threading.Lock()
 _remembered: set[str] = set()
 _catalog: frozenset[str] = frozenset()
 _loaded_at = float("-inf")
+_compiled: tuple[tuple[str, ...], "_Matcher"] | None = None
 
 
 def remember(value: str) -> None:
@@ -63,55 +90,277 @@ def _reload_catalog() -> None:
     _catalog = frozenset(v for v in values if len(v) >= MIN_LENGTH)
 
 
+def _settings_secrets() -> set[str]:
+    try:
+        from django.conf import settings
+
+        names = ("RELAY_MASTER_KEY", "RELAY_ADMIN_TOKEN", "SECRET_KEY")
+        return {v for v in (getattr(settings, n, "") for n in names) if isinstance(v, str) and len(v) >= MIN_LENGTH}
+    except Exception:  # settings not configured (a bare import): no static secrets to add
+        return set()
+
+
 def known_values(*, load: bool = True) -> list[str]:
     """Longest first, so a key that contains another is replaced whole."""
     if load:
         _reload_catalog()
     with _lock:
         values = set(_remembered) | _catalog
+    values |= _settings_secrets()
     return sorted(values, key=len, reverse=True)
 
 
 def forget_all() -> None:
     """Tests: start from an empty state (and reload the catalog on next use)."""
-    global _catalog, _loaded_at
+    global _catalog, _loaded_at, _compiled
     with _lock:
         _remembered.clear()
         _catalog = frozenset()
         _loaded_at = float("-inf")
+        _compiled = None
+
+
+# --- the matcher: every secret found in a decoded view of the text ------------------------------
+
+# An encoded character: a percent escape, a JSON escape, or an HTML character reference. Each layer
+# decodes one level, as a reader would (`\\u002d`, a JSON string inside a JSON string, is `\u002d`
+# after one layer and `-` after two; `%252D` is `%2D`, then `-`).
+_ESCAPE = re.compile(
+    r"%([0-9a-fA-F]{2})"
+    r"|\\u([0-9a-fA-F]{4})"
+    r"|\\([\\/\"bfnrt])"
+    r"|&#[xX]([0-9a-fA-F]{1,6});"
+    r"|&#([0-9]{1,7});"
+)
+_JSON_SHORT = {"\\": "\\", "/": "/", '"': '"', "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
+# Only an escape of an ASCII character can be part of a secret (they are ASCII), and an escaped
+# backslash may start a nested escape: a body whose escapes are all of other characters (`\u00e9`,
+# `\n`) is not decoded at all. Each branch starts with a literal, so the regex engine skips ahead
+# to the next `%`, `\` or `&`.
+_ASCII_ESCAPE = re.compile(r"%[0-7][0-9a-fA-F]|\\(?:u00[0-7][0-9a-fA-F]|[\\/])|&#")
+
+
+def _maybe_encoded(text: str) -> bool:
+    # Substring tests first: a tenth of the regular expression's cost on a body with no escape.
+    if "%" in text or "&#" in text or "\\u00" in text or "\\/" in text or "\\\\" in text:
+        return _ASCII_ESCAPE.search(text) is not None
+    return False
+
+
+_RELAY_KEY = re.compile(re.escape(_RELAY_KEY_PREFIX) + f"[A-Za-z0-9_-]{{{_RELAY_KEY_LETTERS},}}")
+
+
+def _b64_cores(value: str) -> set[str]:
+    """The base64 letters that a secret always becomes inside a longer base64 text, at each of the
+    three byte alignments it can start at, in both alphabets (the edge letters that mix in the
+    neighbours' bits are left out)."""
+    raw = value.encode()
+    cores = set()
+    for pad in range(3):
+        letters = base64.b64encode(b"\0" * pad + raw).decode().rstrip("=")
+        start = (pad * 8 + 5) // 6
+        end = ((pad + len(raw)) * 8) // 6
+        core = letters[start:end]
+        if len(core) >= MIN_LENGTH:
+            cores.add(core)
+            cores.add(core.replace("+", "-").replace("/", "_"))
+    return cores
+
+
+class _Matcher:
+    def __init__(self, values: tuple[str, ...]):
+        self.values = values
+        self.b64 = sorted({core for v in values for core in _b64_cores(v)}, key=len, reverse=True)
+
+
+def _matcher(load: bool) -> _Matcher:
+    global _compiled
+    values = tuple(known_values(load=load))
+    cached = _compiled
+    if cached is not None and cached[0] == values:
+        return cached[1]
+    matcher = _Matcher(values)
+    _compiled = (values, matcher)
+    return matcher
+
+
+# --- redaction -----------------------------------------------------------------------------------
+
+
+def _decode_token(token: re.Match) -> str:
+    hex2, hex4, short, hexref, decref = token.groups()
+    if short is not None:
+        return _JSON_SHORT[short]
+    code = int(hex2 or hex4 or hexref, 16) if decref is None else int(decref)
+    return chr(code) if code <= 0x10FFFF else "\ufffd"
+
+
+def _starts(text: str) -> list[int]:
+    """For each character of `_ESCAPE.sub(_decode_token, text)`, the offset in `text` where it
+    starts; one more entry: the end. Built only when a secret was found in the decoded text."""
+    starts: list[int] = []
+    at = 0
+    for token in _ESCAPE.finditer(text):
+        starts.extend(range(at, token.start()))
+        starts.append(token.start())
+        at = token.end()
+    starts.extend(range(at, len(text) + 1))
+    return starts
+
+
+def _occurrences(haystack: str, needle: str) -> list[tuple[int, int]]:
+    spans = []
+    at = haystack.find(needle)
+    while at != -1:
+        spans.append((at, at + len(needle)))
+        at = haystack.find(needle, at + len(needle))
+    return spans
+
+
+def _spans(haystack: str, m: _Matcher) -> list[tuple[int, int]]:
+    spans = [span for value in m.values for span in _occurrences(haystack, value)]
+    if _RELAY_KEY_PREFIX in haystack:
+        spans.extend(match.span() for match in _RELAY_KEY.finditer(haystack))
+    return spans
+
+
+def _cut(text: str, spans: list[tuple[int, int]]) -> str:
+    """`text` with each span (merged where they overlap) replaced by REDACTED."""
+    out, at = [], 0
+    for start, end in sorted(spans):
+        if end <= at:
+            continue
+        start = max(start, at)
+        out.append(text[at:start])
+        out.append(REDACTED)
+        at = end
+    out.append(text[at:])
+    return "".join(out)
+
+
+def _find(text: str, m: _Matcher, depth: int) -> list[tuple[int, int]]:
+    """Where secrets are in `text`, in any form: found in the text and in each decoded layer of it
+    (escapes decoded, then decoded again while something changes), mapped back to `text`."""
+    layers = [text]
+    if _maybe_encoded(text):
+        for _ in range(_MAX_LAYERS):
+            decoded = _ESCAPE.sub(_decode_token, layers[-1])
+            if decoded == layers[-1]:
+                break
+            layers.append(decoded)
+    found = []
+    for level in range(len(layers) - 1, -1, -1):
+        spans = _spans(layers[level], m) + _b64_spans(layers[level], m, depth)
+        for outer in range(level - 1, -1, -1):
+            if not spans:
+                break
+            starts = _starts(layers[outer])
+            spans = [(starts[a], starts[b]) for a, b in spans]
+        found += spans
+    return found
+
+
+def _b64_spans(text: str, m: _Matcher, depth: int) -> list[tuple[int, int]]:
+    """Runs of base64 letters that hold a secret: its own letters at any alignment, or, decoded, a
+    secret in any form (base64 inside base64 to a depth of _MAX_DEPTH)."""
+    spans = []
+    for run in _B64_RUN.finditer(text):
+        letters, start = run.group(0), run.start()
+        hits = [(start + a, start + b) for core in m.b64 for a, b in _occurrences(letters, core)]
+        if hits:
+            spans += hits
+        elif depth < _MAX_DEPTH:
+            decoded = _b64_decode(letters)
+            if decoded is not None and _find(decoded, m, depth + 1):
+                spans.append(run.span())
+    return spans
+
+
+def _redact(text: str, m: _Matcher, depth: int = 0) -> str:
+    spans = _find(text, m, depth)
+    return _cut(text, spans) if spans else text
+
+
+def _b64_decode(run: str) -> str | None:
+    body = run.rstrip("=").replace("-", "+").replace("_", "/")
+    if len(body) % 4 == 1:
+        return None
+    try:
+        raw = base64.b64decode(body + "=" * (-len(body) % 4), validate=True)
+    except (binascii.Error, ValueError):
+        return None
+    # Binary (an image, a compressed blob) is searched as Latin-1, so a secret inside still matches.
+    return raw.decode("utf-8", "replace") if raw.isascii() else raw.decode("latin-1")
+
+
+def _decoded_strings_clean(value, m: _Matcher) -> tuple[object, bool]:
+    """A parsed JSON value with each string redacted on its decoded form; and whether any changed."""
+    if isinstance(value, str):
+        clean = _redact(value, m, 0)
+        return clean, clean != value
+    if isinstance(value, list):
+        changed = False
+        out = []
+        for item in value:
+            clean, hit = _decoded_strings_clean(item, m)
+            out.append(clean)
+            changed |= hit
+        return out, changed
+    if isinstance(value, dict):
+        changed = False
+        out = {}
+        for key, item in value.items():
+            clean_key, hit_key = _decoded_strings_clean(key, m)
+            clean, hit = _decoded_strings_clean(item, m)
+            out[clean_key] = clean
+            changed |= hit or hit_key
+        return out, changed
+    return value, False
 
 
 def scrub_text(text: str, *, load: bool = True) -> str:
     if not text:
         return text
-    for value in known_values(load=load):
-        if value in text:
-            text = text.replace(value, REDACTED)
-    return text
+    return _redact(text, _matcher(load), 0)
 
 
 def scrub_bytes(data: bytes, *, load: bool = True) -> bytes:
     if not data:
         return data
-    for value in known_values(load=load):
-        raw = value.encode("utf-8", "ignore")
-        if raw in data:
-            data = data.replace(raw, REDACTED.encode())
-    return data
+    m = _matcher(load)
+    text = data.decode("utf-8", "surrogateescape")
+    clean = _redact(text, m, 0)
+    if clean.lstrip()[:1] in ("{", "[") and _maybe_encoded(clean):
+        # The decoded form: a JSON escape this text did not show as one (none is known) still
+        # cannot carry a secret through, since each string is checked once more after decoding.
+        try:
+            parsed = orjson.loads(clean.encode("utf-8", "surrogateescape"))
+        except orjson.JSONDecodeError:
+            parsed = None
+        if parsed is not None:
+            redacted, changed = _decoded_strings_clean(parsed, m)
+            if changed:
+                return orjson.dumps(redacted)
+    if clean == text:
+        return data
+    return clean.encode("utf-8", "surrogateescape")
 
 
 def scrub_headers(headers: dict, *, load: bool = True) -> dict:
     return {name: scrub_text(value, load=load) if isinstance(value, str) else value for name, value in headers.items()}
 
 
+def scrub_json(value, *, load: bool = True):
+    """A parsed JSON value (a result, an error body about to be stored) with every string redacted."""
+    clean, _ = _decoded_strings_clean(value, _matcher(load))
+    return clean
+
+
 class ScrubFilter(logging.Filter):
-    """A logging filter (settings.LOGGING) that removes known host-key values from every record."""
+    """A logging filter (settings.LOGGING) that removes known secrets from every record."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         try:
-            values = known_values(load=False)
-            if not values:
-                return True
             message = record.getMessage()
             if record.exc_info and not record.exc_text:
                 record.exc_text = logging.Formatter().formatException(record.exc_info)
