@@ -4,7 +4,7 @@
   `output_expires_after` on its output and error files). The retention job (`batches.tasks.retention`,
   every RELAY_RETENTION_SWEEP_SECONDS) deletes expired files, row and bytes. An upload still being
   validated by a batch waits for the next sweep.
-- Native batches (spec 000) finished more than RELAY_NATIVE_BATCH_RETENTION_SECONDS ago are deleted
+- Native batches (decision 0003) finished more than RELAY_NATIVE_BATCH_RETENTION_SECONDS ago are deleted
   with their payloads (0 = kept until deleted).
 - Revoked inference tokens are forgotten once the token would have expired anyway (plus a margin).
 - Deleting a batch or a file — through the API, the admin, the retention job or a cascade — removes
@@ -32,6 +32,8 @@ from django.utils import timezone
 from batches import storage
 from batches.errors import invalid
 from batches.models import Batch, BatchStatus, File, OutputExpiry, Payload, Surface
+from relay.errors import clipped, quoted
+from relay.http import ascii_int
 
 log = logging.getLogger(__name__)
 
@@ -54,15 +56,16 @@ def parse_expires_after(value, param: str) -> int:
         )
     unknown = sorted(set(value) - {"anchor", "seconds"})
     if unknown:
-        raise invalid(f"Unknown field '{param}.{unknown[0]}'.", param=f"{param}.{unknown[0]}")
+        name = f"{param}.{clipped(unknown[0])}"
+        raise invalid(f"Unknown field '{name}'.", param=name)
     if value.get("anchor") != "created_at":
         raise invalid(
-            f"Invalid value for '{param}.anchor': {value.get('anchor')!r}. Supported values are: 'created_at'.",
+            f"Invalid value for '{param}.anchor': {quoted(value.get('anchor'))}. Supported values are: 'created_at'.",
             param=f"{param}.anchor",
         )
     seconds = value.get("seconds")
-    if isinstance(seconds, str) and seconds.strip().isdigit():  # multipart fields are strings
-        seconds = int(seconds)
+    if isinstance(seconds, str) and ascii_int(seconds) is not None:  # multipart fields are strings
+        seconds = ascii_int(seconds)
     if isinstance(seconds, bool) or not isinstance(seconds, int):
         raise invalid(f"Invalid type for '{param}.seconds': expected an integer.", param=f"{param}.seconds")
     if not EXPIRES_MIN_SECONDS <= seconds <= EXPIRES_MAX_SECONDS:

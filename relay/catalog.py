@@ -47,44 +47,22 @@ than MAX_AGE_S whatever the counter says (a backstop for a write whose bump was 
 
 from __future__ import annotations
 
-import random
 import time
 from dataclasses import dataclass, field
 
 import redis
-from django.db import models, transaction
 
+from relay import generation
 from relay.redis import get_redis
 
-GEN_KEY = "relay:catalog:gen"
+GEN_KEY = generation.GEN_KEY
 MAX_AGE_S = 300.0
-
-# INCR, but a missing counter starts from a random value (see the module docstring).
-_BUMP_LUA = """
-if redis.call('EXISTS', KEYS[1]) == 0 then redis.call('SET', KEYS[1], ARGV[1]) end
-return redis.call('INCR', KEYS[1])
-"""
-
-
-def _seed() -> int:
-    return random.randrange(1 << 40, 1 << 52)
-
-
-def bump() -> None:
-    """Invalidate every process's cache: now, and again when the transaction commits."""
-    _bump_now()
-    transaction.on_commit(_bump_now, robust=True)
-
-
-def _bump_now() -> None:
-    _local_cache.clear()
-    try:
-        get_redis().eval(_BUMP_LUA, 1, GEN_KEY, _seed())
-        _local_cache.bump_pending = False
-    except redis.RedisError:
-        # Retried by this process's next request (`_Cache.current`); meanwhile nothing is
-        # served from a cache here, and other processes cannot read the counter either.
-        _local_cache.bump_pending = True
+# Routing errors are cached per (policy, model name) like routes, but a tenant picks the names: at
+# most this many per snapshot, and none for a name longer than a catalog model's (200 characters).
+# Past that an error is computed afresh each time, so endless distinct junk names cannot grow a
+# web worker's memory (decision 0014); routes that exist are bounded by the catalog itself.
+MAX_CACHED_ROUTE_ERRORS = 1000
+ROUTE_NAME_MAX = 200
 
 
 @dataclass
@@ -92,6 +70,7 @@ class _Snapshot:
     gen: str | None
     policies: dict = field(default_factory=dict)  # id -> Policy | None
     routes: dict = field(default_factory=dict)  # (policy id, model name) -> Route | (status, code, message)
+    route_errors: int = 0  # how many of `routes` are cached errors (MAX_CACHED_ROUTE_ERRORS)
     relay_keys: dict = field(default_factory=dict)  # key hash -> the row relay.auth found for it
     born: float = field(default_factory=time.monotonic)
 
@@ -107,22 +86,21 @@ class Stale(Exception):
 class _Cache:
     def __init__(self):
         self.snapshot = _Snapshot(gen=None)
-        self.bump_pending = False
 
     def clear(self) -> None:
         self.snapshot = _Snapshot(gen=None)
 
     def current(self) -> _Snapshot | None:
         """The snapshot valid for the generation in Redis now; None when Redis cannot tell."""
-        if self.bump_pending:
-            _bump_now()
-            if self.bump_pending:
+        if generation.bump_pending():
+            generation.retry_bump()
+            if generation.bump_pending():
                 return None
         try:
             client = get_redis()
             gen = client.get(GEN_KEY)
             if gen is None:
-                client.set(GEN_KEY, _seed(), nx=True)
+                client.set(GEN_KEY, generation.seed(), nx=True)
                 gen = client.get(GEN_KEY)
         except redis.RedisError:
             self.clear()  # what was read before the outage is not trusted after it
@@ -137,12 +115,15 @@ class _Cache:
         """The snapshot this process holds, without a round trip, for a caller that checks its
         generation itself (the key pick); `current()` when there is none worth holding."""
         snap = self.snapshot
-        if snap.gen is None or self.bump_pending or time.monotonic() - snap.born > MAX_AGE_S:
+        if snap.gen is None or generation.bump_pending() or time.monotonic() - snap.born > MAX_AGE_S:
             return self.current()
         return snap
 
 
 _local_cache = _Cache()
+# A bump drops this process's cache at once (and again at commit).
+generation.on_bump(_local_cache.clear)
+bump = generation.bump
 
 
 def held() -> _Snapshot | None:
@@ -195,7 +176,10 @@ def route(policy_obj, model_name: str, compute, snap: _Snapshot | None = None):
         try:
             hit = compute(policy_obj, model_name)
         except RelayError as err:
+            if len(model_name) > ROUTE_NAME_MAX or snap.route_errors >= MAX_CACHED_ROUTE_ERRORS:
+                raise
             hit = (err.status, err.code, err.message, type(err))
+            snap.route_errors += 1
         snap.routes[cache_key] = hit
     if isinstance(hit, tuple):
         status, code, message, cls = hit
@@ -204,38 +188,6 @@ def route(policy_obj, model_name: str, compute, snap: _Snapshot | None = None):
 
 
 # --- writes -------------------------------------------------------------------------------------
-
-
-class CatalogQuerySet(models.QuerySet):
-    """Bulk writes on catalog models bump the generation (signals do not fire for them)."""
-
-    def update(self, **kwargs):
-        rows = super().update(**kwargs)
-        bump()
-        return rows
-
-    def delete(self):
-        result = super().delete()
-        bump()
-        return result
-
-    def bulk_create(self, objs, *args, **kwargs):
-        result = super().bulk_create(objs, *args, **kwargs)
-        bump()
-        return result
-
-    def bulk_update(self, objs, fields, *args, **kwargs):
-        rows = super().bulk_update(objs, fields, *args, **kwargs)
-        bump()
-        return rows
-
-    def _raw_delete(self, using):
-        # The collector's fast path (cascades without signals).
-        rows = super()._raw_delete(using)
-        bump()
-        return rows
-
-    _raw_delete.alters_data = True
 
 
 CATALOG_MODELS = (

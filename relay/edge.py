@@ -1,4 +1,4 @@
-"""The edge: what every request passes before any view reads it (issue 12).
+"""The edge: what every request passes before any view reads it (decision 0008).
 
 EdgeMiddleware (first in settings.MIDDLEWARE):
 
@@ -41,7 +41,8 @@ from django.middleware import csrf as csrf_middleware
 from django.views import defaults
 
 from relay.adapters import LIVE_PATHS
-from relay.errors import RelayError
+from relay.errors import RelayError, clipped, quoted
+from relay.http import ascii_int
 
 log = logging.getLogger("relay.edge")
 
@@ -79,7 +80,7 @@ def error_response(request, status: int, code: str, message: str, *, param: str 
 
         err = OpenAIError(status, code, message, param=param)
     elif path.startswith(_ANTHROPIC_SURFACE):
-        from batches.anthropic_batches import AnthropicError
+        from batches.errors import AnthropicError
 
         err = AnthropicError(status, f"{param}: {message}" if param else message)
     else:
@@ -114,8 +115,21 @@ def body_limit(path: str) -> int:
 
 
 class BodyTimeout(RelayError):
-    def __init__(self, seconds: float):
-        super().__init__(408, "request_timeout", f"the request body did not arrive within {seconds:g} seconds")
+    """408 naming the limit that fired: the whole body's deadline, or the idle limit between two reads."""
+
+    def __init__(self, message: str):
+        super().__init__(408, "request_timeout", message)
+
+    @classmethod
+    def deadline(cls, budget: float) -> "BodyTimeout":
+        return cls(
+            f"the request body did not arrive within {budget:g} seconds (RELAY_BODY_READ_SECONDS plus one second "
+            "per RELAY_BODY_MIN_RATE bytes declared)"
+        )
+
+    @classmethod
+    def idle(cls, seconds: float) -> "BodyTimeout":
+        return cls(f"no byte of the request body arrived for {seconds:g} seconds (RELAY_BODY_IDLE_SECONDS)")
 
 
 class _DeadlineInput:
@@ -124,26 +138,35 @@ class _DeadlineInput:
     def __init__(self, raw, sock, budget: float):
         self.raw, self.sock, self.budget = raw, sock, budget
         self.deadline = time.monotonic() + budget
+        self.idle_armed = False  # whether the socket timeout armed last is the idle limit (else the deadline)
 
     def _arm(self) -> None:
         left = self.deadline - time.monotonic()
         if left <= 0:
-            raise BodyTimeout(self.budget)
-        self.sock.settimeout(min(left, settings.RELAY_BODY_IDLE_SECONDS))
+            raise BodyTimeout.deadline(self.budget)
+        idle = settings.RELAY_BODY_IDLE_SECONDS
+        self.idle_armed = idle < left
+        self.sock.settimeout(min(left, idle))
+
+    def _timeout(self) -> BodyTimeout:
+        # The socket timeout is whichever limit comes first; the answer names that one.
+        if self.idle_armed:
+            return BodyTimeout.idle(settings.RELAY_BODY_IDLE_SECONDS)
+        return BodyTimeout.deadline(self.budget)
 
     def read(self, *args):
         self._arm()
         try:
             return self.raw.read(*args)
         except TimeoutError as exc:
-            raise BodyTimeout(self.budget) from exc
+            raise self._timeout() from exc
 
     def readline(self, *args):
         self._arm()
         try:
             return self.raw.readline(*args)
         except TimeoutError as exc:
-            raise BodyTimeout(self.budget) from exc
+            raise self._timeout() from exc
 
 
 class EdgeMiddleware:
@@ -208,20 +231,21 @@ class EdgeMiddleware:
             for text in (name, *values):
                 problem = _bad_text(text)
                 if problem:
-                    shown = name.encode("utf-8", "backslashreplace").decode().replace("\x00", "\\u0000")
+                    shown = clipped(name).encode("utf-8", "backslashreplace").decode().replace("\x00", "\\u0000")
                     return error_response(
                         request,
                         400,
                         "invalid_query_parameter",
-                        f"query parameter {shown!r} contains {problem}",
+                        f"query parameter {quoted(shown)} contains {problem}",
                         param=shown,
                     )
         limit = body_limit(raw_path)
         declared = meta.get("CONTENT_LENGTH") or ""
         chunked = "chunked" in meta.get("HTTP_TRANSFER_ENCODING", "").lower()
         if declared:
-            if not declared.strip().isdigit():
+            if ascii_int(declared.strip()) is None:
                 return error_response(request, 400, "invalid_content_length", "Content-Length must be a whole number")
+            declared = declared.strip()
             if int(declared) > limit:
                 return _too_large(request, limit)
         elif meta.get("HTTP_TRANSFER_ENCODING"):
@@ -266,8 +290,8 @@ class EdgeMiddleware:
 
 
 def _too_large(request, limit: int) -> HttpResponse:
-    if request.path.rstrip("/") == "/v1/files":  # the upload's own answer (batches.files.too_large)
-        from batches.files import too_large
+    if request.path.rstrip("/") == "/v1/files":  # the upload's own answer (batches.surfaces.openai.files.too_large)
+        from batches.surfaces.openai.files import too_large
 
         return _finish(request, too_large(settings.RELAY_MAX_UPLOAD_BYTES).response())
     return error_response(request, 413, "request_too_large", f"request body exceeds {limit} bytes")
@@ -302,7 +326,7 @@ def permission_denied(request, exception=None):
 def page_not_found(request, exception=None):
     if not is_api_path(request.path):
         return defaults.page_not_found(request, exception)
-    return error_response(request, 404, "not_found", f"no route for {request.method} {request.path[:200]}")
+    return error_response(request, 404, "not_found", f"no route for {clipped(request.method)} {clipped(request.path)}")
 
 
 def server_error(request):

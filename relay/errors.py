@@ -7,6 +7,26 @@ headers (`X-WR-Origin`, `Retry-After`) are set in one place.
 from django.http import JsonResponse
 from rest_framework.views import exception_handler
 
+# At most this many characters of any one client value are quoted in an error message (decision 0014): a
+# 400 about a 1 MiB key name must not be 1 MiB long. Sites that echo a value use quoted()/clipped().
+CLIENT_VALUE_CHARS = 100
+# A backstop for a site that echoes without them: no message or param is longer than this.
+MAX_MESSAGE_CHARS = 1000
+
+
+def clipped(value, limit: int = CLIENT_VALUE_CHARS) -> str:
+    """`value` as text for a message, cut to `limit` characters (an ellipsis says it was cut)."""
+    text = value if isinstance(value, str) else str(value)
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
+def quoted(value, limit: int = CLIENT_VALUE_CHARS) -> str:
+    """`value`'s repr for a message (`got 'abc'`), of at most `limit` characters of the value."""
+    if isinstance(value, str) and len(value) > limit:
+        return repr(value[:limit])[:-1] + "…" + repr(value[:limit])[-1]
+    text = repr(value)
+    return text if len(text) <= limit + 2 else text[:limit] + "…"
+
 
 class RelayError(Exception):
     def __init__(
@@ -19,8 +39,10 @@ class RelayError(Exception):
         headers: dict | None = None,
         param: str | None = None,
     ):
+        message = clipped(message, MAX_MESSAGE_CHARS)
         super().__init__(message)
-        self.param = param  # the offending field (e.g. "messages[0].content"), when there is one
+        # The offending field (e.g. "messages[0].content"), when there is one.
+        self.param = clipped(param, MAX_MESSAGE_CHARS) if param else param
         self.status = status
         self.code = code
         self.message = message

@@ -1,14 +1,25 @@
-"""Reading request bodies within a byte budget, without trusting Content-Length."""
+"""Reading request bodies within a byte budget, without trusting Content-Length; whole numbers a client sends."""
+
+import re
 
 from relay import jsonguard
 from relay.errors import RelayError
 
 _CHUNK = 64 * 1024
+_ASCII_DIGITS = re.compile(r"[0-9]+")
+
+
+def ascii_int(text) -> int | None:
+    """A whole number written in ASCII digits only, else None: str.isdigit() and int() also take
+    "+5", " 5", "5_0", fullwidth and Arabic-Indic digits, which no client means as a number (decision 0014)."""
+    if not isinstance(text, str) or not _ASCII_DIGITS.fullmatch(text):
+        return None
+    return int(text)
 
 
 def read_body(django_request, limit: int) -> bytes:
-    declared = django_request.META.get("CONTENT_LENGTH") or ""
-    if declared.isdigit() and int(declared) > limit:
+    declared = ascii_int(django_request.META.get("CONTENT_LENGTH") or "")
+    if declared is not None and declared > limit:
         raise too_large(limit)
     chunks, size = [], 0
     while True:
@@ -42,5 +53,5 @@ def guard_error(exc: "jsonguard.JSONGuardError", *, prefix: str = "") -> RelayEr
     """A 400 in the relay's envelope for a value relay.jsonguard refused; `param` names the field."""
     param = (prefix + exc.path) or None
     if exc.code == "invalid_json":
-        return RelayError(400, "invalid_json", f"request body is not valid JSON: {exc.message}", param=param)
+        return RelayError(400, "invalid_json", f"invalid request body: {exc.message}", param=param)
     return RelayError(400, exc.code, f"invalid request body: {exc.message}", param=param)

@@ -1,4 +1,4 @@
-"""One input discipline for every JSON value a client sends (issue 12).
+"""One input discipline for every JSON value a client sends (decision 0009).
 
 A body, a JSONL line or a native batch item is refused here, with the JSON path
 of the offending field, when it holds:
@@ -8,11 +8,17 @@ of the offending field, when it holds:
 - nesting deeper than MAX_DEPTH arrays/objects (a 10,000-deep document would
   otherwise exhaust the interpreter's recursion limit when parsed or re-encoded);
 - a non-finite number: `NaN`, `Infinity`, `-Infinity` or an overflowing literal
-  such as `1e400` (not JSON per RFC 8259; forwarded, they become non-standard JSON).
+  such as `1e400` (not JSON per RFC 8259; forwarded, they become non-standard JSON);
+- more than MAX_VALUES values (arrays, objects, keys and scalars together): a
+  32 MiB body of empty arrays would take a web worker 800 MB and seconds of CPU
+  to build, and a worker keeps much of what it once allocated (decision 0014).
 
-Duplicate keys are accepted (the last one wins, as in every mainstream parser):
-the relay re-encodes the body it parsed, so the provider sees the same value
-the relay checked.
+Duplicate keys are accepted and the last one wins, everywhere the relay reads
+JSON: live bodies, batch bodies (a second `requests` array replaces the first:
+batches.ingest), JSONL records. The relay re-encodes the body it parsed, so the
+provider sees the same value the relay checked.
+
+A syntax error says where, in one sentence: "JSON syntax error at line L, column C: …".
 
 `loads()` parses and checks; `check()` checks a value that is already parsed
 (ijson's streaming parse of a batch body); `encode()` checks a parsed value and
@@ -22,6 +28,8 @@ ValueError, so callers that already treat "not JSON" as bad input need no change
 
 import json
 import math
+import re
+import sys
 
 import orjson
 
@@ -29,10 +37,17 @@ import orjson
 # tool JSON schemas) stay far below it; it keeps parse and re-encode well within
 # Python's recursion limit.
 MAX_DEPTH = 64
+# At most this many values in one document (or one batch element): at most ~100 MB of Python objects
+# even when each is an empty array, while real requests (messages, tool schemas, an embedding's token
+# ids) stay far below it.
+MAX_VALUES = 1_000_000
+# How much of a client's key a path in an error message quotes (relay.errors.CLIENT_VALUE_CHARS).
+_KEY_CHARS = 100
 
 
 class JSONGuardError(ValueError):
-    """`code`: invalid_json | invalid_characters | nesting_too_deep | non_finite_number; `path`: the field."""
+    """`code`: invalid_json | invalid_characters | nesting_too_deep | non_finite_number | too_many_values;
+    `path`: the field."""
 
     def __init__(self, code: str, message: str, path: str = ""):
         super().__init__(message)
@@ -44,6 +59,8 @@ class JSONGuardError(ValueError):
 def _join(path: str, key) -> str:
     if isinstance(key, int):
         return f"{path}[{key}]"
+    if len(key) > _KEY_CHARS:  # a 1 MiB key name must not make a 1 MiB error
+        key = key[:_KEY_CHARS] + "…"
     return f"{path}.{key}" if path else str(key)
 
 
@@ -67,8 +84,12 @@ def check(value, path: str = "", *, max_depth: int = MAX_DEPTH) -> None:
     """Refuse NUL/lone surrogates, non-finite numbers and excessive depth anywhere in `value`."""
     # Iterative, so the check itself never recurses however deep the value is.
     stack = [(value, path, 0)]
+    seen = 0
     while stack:
         node, where, depth = stack.pop()
+        seen += 1
+        if seen > MAX_VALUES:
+            raise _too_many_values(_printable(path) or "body")
         if isinstance(node, str):
             problem = _bad_char(node)
             if problem:
@@ -133,6 +154,38 @@ def encode(value, path: str = "", *, max_depth: int = MAX_DEPTH) -> bytes:
     return data
 
 
+def _too_many_values(shown: str) -> JSONGuardError:
+    return JSONGuardError(
+        "too_many_values", f"{shown} holds more than {MAX_VALUES} JSON values (arrays, objects, keys and scalars)"
+    )
+
+
+# JSON strings, so the punctuation inside them is not counted as structure (_count_ok).
+_STRINGS = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
+
+
+def _count_ok(text: str, max_values: int) -> bool:
+    """Whether `text` holds at most `max_values` values, counted before anything is built. Every value or
+    key is the first in its array or object, follows a comma or a colon, or is the document itself,
+    so counting those characters bounds it from above; only when that bound is over the limit are
+    the strings taken out (their commas are text) and the count made again."""
+
+    def bound(t: str) -> int:
+        return t.count(",") + t.count(":") + t.count("[") + t.count("{") + 1
+
+    return bound(text) <= max_values or bound(_STRINGS.sub('""', text)) <= max_values
+
+
+def _syntax_message(exc: ValueError) -> str:
+    """json's error as one sentence: where (line, column), then what."""
+    if isinstance(exc, json.JSONDecodeError):
+        what = exc.msg[:1].lower() + exc.msg[1:]
+        return f"JSON syntax error at line {exc.lineno}, column {exc.colno}: {what}"
+    if "integer string conversion" in str(exc):  # an integer literal past Python's digit limit
+        return f"a number has more than {sys.get_int_max_str_digits()} digits"
+    return "not JSON"
+
+
 def _refuse_constant(name: str):
     raise JSONGuardError("non_finite_number", f"{name} is not a JSON number (non-finite numbers are refused)")
 
@@ -176,6 +229,8 @@ def loads(raw: bytes | str, *, max_depth: int = MAX_DEPTH):
             raise JSONGuardError("invalid_json", f"not valid UTF-8: {exc.reason} at byte {exc.start}") from exc
     else:
         text = raw.removeprefix("\ufeff")
+    if not _count_ok(text, MAX_VALUES):
+        raise _too_many_values("body")
     try:
         value = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
     except JSONGuardError:
@@ -190,6 +245,6 @@ def loads(raw: bytes | str, *, max_depth: int = MAX_DEPTH):
             raise JSONGuardError(
                 "nesting_too_deep", f"body is nested deeper than {max_depth} levels of arrays/objects"
             ) from None
-        raise JSONGuardError("invalid_json", str(exc)) from exc
+        raise JSONGuardError("invalid_json", _syntax_message(exc)) from exc
     check(value, max_depth=max_depth)
     return value

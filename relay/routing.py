@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from policies.models import Policy
 from relay import catalog
 from relay.crypto import SecretUnavailable
-from relay.errors import RelayError
+from relay.errors import RelayError, clipped
 from relay.grants import granted
 from relay.models import HostBinding, HostKey, LLMModel
 
@@ -61,7 +61,7 @@ def _resolve(policy: Policy, model_name: str) -> Route:
     )
     if not bindings:
         if not LLMModel.objects.filter(name=model_name).exists():
-            raise RoutingError(404, "model_not_found", f"model {model_name} does not exist")
+            raise RoutingError(404, "model_not_found", f"model {clipped(model_name)} does not exist")
         raise RoutingError(503, "no_host_binding", f"model {model_name} has no host binding")
     model = bindings[0].model
     allowed = [b for b in bindings if granted(policy.grants, model.provider, model.name, b.host.name)]

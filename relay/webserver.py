@@ -1,4 +1,4 @@
-"""How the API's gunicorn runs, in embedded mode and in the full stack (issue 12).
+"""How the API's gunicorn runs, in embedded mode and in the full stack (decision 0008).
 
 `gthread` workers: gunicorn 27 parks a connection whose request has not
 arrived in its poller (no thread held), and relay.edge bounds how long a
@@ -8,6 +8,17 @@ thread for at most that long; with THREADS threads per worker, 16 slow
 connections leave most threads free and /healthz answers. In the full stack
 nginx (deploy/nginx.conf) buffers whole requests first, so gunicorn never sees
 a slow client at all.
+
+Memory (decision 0014): what one request may make a worker build is capped where bodies are parsed,
+a worker over RELAY_WEB_MAX_RSS_MB is recycled after the request that took it there, and every
+worker is recycled after MAX_REQUESTS (+ up to MAX_REQUESTS_JITTER, so the two seldom restart
+together) requests: a worker drains its requests (GRACEFUL_TIMEOUT covers the upstream deadline)
+and a fresh one takes its place, so no request is dropped. relay/gunicorn_config.py holds the
+check, and the access log's format, which drops query strings.
+
+gunicorn's control socket (`gunicornc`) is off unless a path is given: by default gunicorn would
+put it in $XDG_RUNTIME_DIR or ~/.gunicorn, outside the deployment, shared by every gunicorn of the
+user. Embedded mode keeps it in its state directory (relay.embedded).
 
 `python -m relay.webserver --bind 0.0.0.0:8080` runs it (compose.yaml, Dockerfile).
 """
@@ -19,14 +30,23 @@ WORKERS = 2
 THREADS = 32
 # gunicorn's hard maximum; relay.edge answers a URL over RELAY_MAX_URL_CHARS with a JSON 414 first.
 LIMIT_REQUEST_LINE = 8190
+# Every worker is recycled after this many requests, plus a random share of the jitter: rare enough
+# that its warm-up (relay.webserver.warm_up) costs nothing measurable, often enough that slow growth
+# does not last. The resident-size check (relay/gunicorn_config.py) handles fast growth.
+MAX_REQUESTS = 10_000
+MAX_REQUESTS_JITTER = 1_000
+# How long a stopping worker lets its requests finish: RELAY_UPSTREAM_DEADLINE's default (300 s) and a margin.
+GRACEFUL_TIMEOUT = 330
 
 
-def gunicorn_argv(python: str, bind: str, *, access_log: bool = True) -> list[str]:
+def gunicorn_argv(python: str, bind: str, *, access_log: bool = True, control_socket: str | None = None) -> list[str]:
     argv = [
         python,
         "-m",
         "gunicorn",
         "relay.wsgi",
+        "--config",
+        "python:relay.gunicorn_config",
         "-b",
         bind,
         "--worker-class",
@@ -41,7 +61,14 @@ def gunicorn_argv(python: str, bind: str, *, access_log: bool = True) -> list[st
         "5",
         "--limit-request-line",
         str(LIMIT_REQUEST_LINE),
+        "--max-requests",
+        str(MAX_REQUESTS),
+        "--max-requests-jitter",
+        str(MAX_REQUESTS_JITTER),
+        "--graceful-timeout",
+        str(GRACEFUL_TIMEOUT),
     ]
+    argv += ["--control-socket", control_socket] if control_socket else ["--no-control-socket"]
     if access_log:
         argv += ["--access-logfile", "-"]
     return argv
@@ -76,8 +103,9 @@ def main() -> None:  # pragma: no cover - compose.yaml and the Dockerfile run it
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bind", default="0.0.0.0:8080")
+    parser.add_argument("--control-socket", default=None, help="a path for gunicornc's socket (default: none)")
     args = parser.parse_args()
-    argv = gunicorn_argv(sys.executable, args.bind)
+    argv = gunicorn_argv(sys.executable, args.bind, control_socket=args.control_socket)
     os.execv(sys.executable, argv)
 
 

@@ -120,6 +120,8 @@ def test_a_body_that_never_arrives_is_answered_408_and_the_thread_freed(web, cat
         s.close()
     assert answer.startswith(b"HTTP/1.1 408"), answer[:300]
     assert b'"request_timeout"' in answer
+    # The idle limit (2 s here) fired before the body's deadline (3 s + 1000 bytes' worth): the answer names it.
+    assert b"RELAY_BODY_IDLE_SECONDS" in answer and b"for 2 seconds" in answer, answer
 
 
 def test_declared_oversize_body_is_refused_before_it_is_sent(web):
@@ -160,6 +162,12 @@ def test_each_web_worker_loads_its_urls_and_catalog_before_its_first_request(web
     # relay.wsgi runs relay.webserver.warm_up as gunicorn loads the app in each worker, before the
     # worker accepts a connection: its first request no longer pays the URLconf's imports.
     _, _, log = web
-    lines = [line for line in log.read_text().splitlines() if "web worker warmed up" in line]
+
+    def warm_ups():
+        return [line for line in log.read_text().splitlines() if "web worker warmed up" in line]
+
+    # The server answered its first request once one worker was up; the others may still be warming.
+    wait_for(lambda: len(warm_ups()) >= WORKERS, 30, interval=0.05, what="every web worker to warm up")
+    lines = warm_ups()
     assert len(lines) == WORKERS, log.read_text()[-3000:]
     assert not any("failed" in line for line in lines), lines

@@ -1,7 +1,7 @@
 """`body.openrelay.tool_config`: parse, validate, clamp; and strip the relay-owned keys.
 
 A chat record may carry OpenRelay request extensions under the reserved top-level
-`openrelay` key (spec 003). The relay owns that whole namespace: it is removed
+`openrelay` key (decision 0005). The relay owns that whole namespace: it is removed
 from the body before every model invocation and never reaches a provider. The
 one extension today is `tool_config`, which tells the worker where to execute
 the model's tool calls between turns.
@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 
 from batches.outcomes import Code
 from batches.tools import netguard
+from relay.errors import clipped, quoted
 
-# Failure codes a record can end with (README.md, "Tool calling inside batch records", lists them with
+# Failure codes a record can end with (docs/tool-calling.md lists them with
 # their meaning): members of the one set of item failure codes, batches.outcomes.Code.
 INVALID_TOOL_CONFIG = Code.INVALID_TOOL_CONFIG
 TOOL_CONFIG_MOVED = Code.TOOL_CONFIG_MOVED
@@ -113,7 +114,7 @@ def parse_tool_config(raw) -> ToolConfig:
         raise _invalid(f"must be an object, got {_kind(raw)}")
     unknown = sorted(set(raw) - set(_KNOWN_FIELDS))
     if unknown:
-        raise _invalid(f"unknown field(s) {', '.join(unknown)}; allowed: {', '.join(_KNOWN_FIELDS)}")
+        raise _invalid(f"unknown field(s) {clipped(', '.join(unknown))}; allowed: {', '.join(_KNOWN_FIELDS)}")
 
     url = raw.get("url")
     if url is None or url == "":
@@ -131,7 +132,7 @@ def parse_tool_config(raw) -> ToolConfig:
     if kind is None:
         kind = "http"
     if not isinstance(kind, str) or kind not in EXECUTOR_TYPES:
-        raise _invalid(f"type must be one of {', '.join(EXECUTOR_TYPES)}, got {kind!r}")
+        raise _invalid(f"type must be one of {', '.join(EXECUTOR_TYPES)}, got {quoted(kind)}")
 
     authorization = raw.get("authorization")
     if authorization is not None:

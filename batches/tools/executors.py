@@ -42,6 +42,7 @@ from batches.tools.config import (
     ToolConfig,
     ToolError,
 )
+from relay.errors import quoted
 
 MiB = 1024 * 1024
 # The largest answer an executor may send for one round (http), or per tool call (mcp).
@@ -236,9 +237,9 @@ def parse_http_answer(raw: bytes, tool_calls: list[dict]) -> list[dict]:
         if not isinstance(call_id, str):
             raise _bad(f"results[{i}].tool_call_id must be a string")
         if call_id not in wanted:
-            raise _bad(f"results[{i}].tool_call_id {call_id!r} matches no tool call of this round")
+            raise _bad(f"results[{i}].tool_call_id {quoted(call_id)} matches no tool call of this round")
         if call_id in contents:
-            raise _bad(f"results[{i}] answers tool call {call_id!r} a second time")
+            raise _bad(f"results[{i}] answers tool call {quoted(call_id)} a second time")
         if "content" not in result:
             raise _bad(f"results[{i}] has no content")
         contents[call_id] = _content_text(result["content"])

@@ -30,7 +30,7 @@ from relay.api.authentication import (
     StaffSessionAuthentication,
 )
 from relay.durations import parse_duration
-from relay.errors import bad_request
+from relay.errors import bad_request, quoted
 from usage import selectors
 from usage.models import UsageEvent
 from usage.selectors import DIMENSIONS, EventFilters, Viewer
@@ -122,9 +122,9 @@ def _duration(value: str) -> timedelta:
     try:
         duration = parse_duration(value)
     except OverflowError as exc:
-        raise bad_request(f"since is too large: {value!r}") from exc
+        raise bad_request(f"since is too large: {quoted(value)}") from exc
     if duration is None:
-        raise bad_request(f"since must be a positive duration like 30m, 1h or 7d, got {value!r}")
+        raise bad_request(f"since must be a positive duration like 30m, 1h or 7d, got {quoted(value)}")
     return duration
 
 
@@ -142,7 +142,7 @@ def _timestamp(value: str, name: str) -> datetime:
 
 def _status(value: str) -> int:
     if not re.fullmatch(r"[0-9]{1,3}", value):
-        raise bad_request(f"status must be an HTTP status code (0 for a relay-side rejection), got {value!r}")
+        raise bad_request(f"status must be an HTTP status code (0 for a relay-side rejection), got {quoted(value)}")
     return int(value)
 
 
@@ -150,7 +150,7 @@ def _batch_surface(value: str) -> str:
     from batches.models import Surface
 
     if value not in Surface.values:
-        raise bad_request(f"batch_surface must be one of {', '.join(Surface.values)}, got {value!r}")
+        raise bad_request(f"batch_surface must be one of {', '.join(Surface.values)}, got {quoted(value)}")
     return value
 
 
@@ -158,7 +158,7 @@ def _error(value: str | None) -> bool | None:
     if value is None:
         return None
     if value not in ("true", "false"):
-        raise bad_request(f"error must be true or false, got {value!r}")
+        raise bad_request(f"error must be true or false, got {quoted(value)}")
     return value == "true"
 
 
