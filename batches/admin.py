@@ -15,8 +15,11 @@ from django.db.models import Count, Q
 from django.urls import reverse
 from django.utils.html import format_html, format_html_join
 
-from batches import anthropic_batches, selectors, services, storage
+from batches import storage
+from batches.lifecycle import stop
 from batches.models import Attempt, Batch, File, Item, ItemState, Surface
+from batches.surfaces.anthropic import read as anthropic_read
+from batches.surfaces.openai import read as openai_read
 from relay.admin_base import ViewOnlyAdmin
 
 _PREVIEW_BYTES = 4096
@@ -86,7 +89,7 @@ def _file_link(file_id) -> str:
 
 def _search_public_id(queryset, search_term, prefix):
     """Let the operator paste the id a client sees (batch_… / file-…)."""
-    pk = selectors.parse_public_id(search_term.strip(), prefix)
+    pk = openai_read.parse_public_id(search_term.strip(), prefix)
     return queryset.filter(pk=pk) if pk is not None else None
 
 
@@ -200,7 +203,7 @@ class BatchAdmin(ViewOnlyAdmin):
     def get_search_results(self, request, queryset, search_term):
         term = search_term.strip()
         if term.startswith("msgbatch_"):
-            pk = anthropic_batches.parse_id(term)
+            pk = anthropic_read.parse_id(term)
             return (queryset.filter(pk=pk) if pk is not None else queryset.none()), False
         found = _search_public_id(queryset, search_term, "batch_")
         if found is not None:
@@ -261,7 +264,7 @@ class BatchAdmin(ViewOnlyAdmin):
     @admin.action(description="Cancel the selected batches")
     def cancel_batches(self, request, queryset):
         for batch in queryset:
-            services.cancel(batch)
+            stop.cancel(batch)
         self.message_user(request, f"Cancelled {queryset.count()} batch(es).")
 
 

@@ -10,6 +10,10 @@ class BatchesConfig(AppConfig):
 
         # Deleting a batch or a file removes its stored bytes (post_delete receivers).
         from batches import retention  # noqa: F401
+        from batches.worker import warmup
+
+        # A batch worker warms up before it takes work (Celery's worker_init comes after this).
+        warmup.connect()
 
         post_migrate.connect(_sync_error_codes, sender=self)
 

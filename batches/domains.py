@@ -4,7 +4,7 @@ batches.outcomes.Code's values (and "", no error yet).
 Why a domain and not a table CHECK: PostgreSQL rebuilds every CHECK constraint of a table from its
 stored text at every UPDATE of one of its rows (`ExecRelCheck` → `stringToNode`), whichever columns
 the UPDATE sets. The list of codes was 7.6 KB of that text, and every item is updated twice (the
-claim, the finish): pgbench put it at ~48 µs of PostgreSQL's CPU per UPDATE of an item (issue 11). A
+claim, the finish): pgbench put it at ~48 µs of PostgreSQL's CPU per UPDATE of an item (decision 0011). A
 domain's check is parsed once per connection, and runs only when the column is written (an item's
 insert, its finish, a cancel; not the claim or the heartbeat).
 

@@ -1,4 +1,6 @@
-"""Errors of the OpenAI-compatible surface, in OpenAI's envelope.
+"""The batch API's errors, in each surface's own envelope.
+
+OpenAI-compatible surface (and the shared parsers that answer before a surface is known):
 
 `{"error": {"message", "type", "param", "code"}}` — the shape the `openai` SDK
 parses into its exceptions. A RelayError raised by shared code (authentication,
@@ -52,3 +54,58 @@ def no_batch_access() -> OpenAIError:
         "batch_access_disabled",
         "The Batch and Files API is not available to this credential: its policy has batch access turned off.",
     )
+
+
+# --- the Anthropic-compatible surface: {"type": "error", "error": {"type", "message"}} -----------
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+}
+
+
+def error_type(status: int) -> str:
+    return _ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+
+
+class AnthropicError(RelayError):
+    """Anthropic's envelope: {"type": "error", "error": {"type", "message"}} (the SDK maps the status)."""
+
+    def __init__(self, status: int, message: str, *, headers: dict | None = None):
+        super().__init__(status, "", message, type=error_type(status), headers=headers)
+
+    def body(self) -> dict:
+        return {"type": "error", "error": {"type": self.type, "message": self.message}}
+
+    @classmethod
+    def of(cls, exc: RelayError) -> "AnthropicError":
+        if isinstance(exc, AnthropicError):
+            return exc
+        # A batch body over the limit is 400 on the other batch surfaces; Anthropic answers 413.
+        status = 413 if exc.code == "request_too_large" else exc.status
+        message = f"{exc.param}: {exc.message}" if exc.param and exc.param not in exc.message else exc.message
+        return cls(status, message, headers=exc.headers)
+
+
+def invalid_anthropic(message: str) -> AnthropicError:
+    return AnthropicError(400, message)
+
+
+# --- every surface ------------------------------------------------------------------------------
+
+
+class BatchBusy(RelayError):
+    """The batch's row stayed locked (a long validation) longer than a cancel waits for it: a clear
+    503 to retry, in each surface's own envelope, rather than a 500."""
+
+    def __init__(self):
+        super().__init__(
+            503,
+            "batch_busy",
+            "The batch is still being validated; retry the cancel shortly.",
+            headers={"Retry-After": 5},
+        )

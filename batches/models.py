@@ -11,8 +11,8 @@ does). A running item holds a lease (`lease_owner`, `lease_expires_at`)
 renewed by its heartbeat; finishing writes are fenced on (state, lease owner,
 attempt) so a zombie cannot overwrite an item the sweeper rescued.
 
-Two surfaces share these rows (design.md §2): the Relay-native one (spec 000)
-and the OpenAI-compatible one (spec 003). They differ only in how a batch is
+Two surfaces share these rows (decision 0002): the Relay-native one (decision 0003)
+and the OpenAI-compatible one (decision 0005). They differ only in how a batch is
 created and shown, so `Batch.surface` picks the status vocabulary and the
 OpenAI-only columns; execution (claim, run, finish, cancel, sweep) is one path.
 
@@ -27,7 +27,7 @@ has its timestamp):
 
 Finalizing (and cancelling) ends by writing the output and error files.
 
-Anthropic batch (Message Batches; batches/anthropic_batches.py), no validation or
+Anthropic batch (Message Batches; batches/surfaces/anthropic/), no validation or
 finalizing step: the records are stored as items at create, results are read from them:
 
     in_progress ──last item final──▶ completed | expired (expired_at set: the window closed)
@@ -45,19 +45,19 @@ from batches import domains
 
 
 class Surface(models.TextChoices):
-    NATIVE = "native"  # spec 000: {"shape", "requests"}; id shown as the UUID
-    OPENAI = "openai"  # spec 003: files + batch objects; id shown as batch_<uuid hex>
+    NATIVE = "native"  # decision 0003: {"shape", "requests"}; id shown as the UUID
+    OPENAI = "openai"  # decision 0005: files + batch objects; id shown as batch_<uuid hex>
     ANTHROPIC = "anthropic"  # Anthropic Message Batches; id shown as msgbatch_<uuid hex>
 
 
 class BatchStatus(models.TextChoices):
-    # Relay-native (spec 000) statuses.
+    # Relay-native (decision 0003) statuses.
     QUEUED = "queued"
     RUNNING = "running"
     # Shared by both surfaces.
     COMPLETED = "completed"
     CANCELLED = "cancelled"
-    # OpenAI-compatible (spec 003) statuses.
+    # OpenAI-compatible (decision 0005) statuses.
     VALIDATING = "validating"
     IN_PROGRESS = "in_progress"
     FINALIZING = "finalizing"
@@ -95,8 +95,6 @@ ANTHROPIC_STATUS_STAMP = {
 # Batches whose available items a worker may claim. A validating OpenAI batch
 # has no items yet; a cancelling or finalizing one starts no new work.
 CLAIMABLE_STATUSES = (BatchStatus.QUEUED, BatchStatus.RUNNING, BatchStatus.IN_PROGRESS)
-# The OpenAI statuses in which a batch still has (or will have) work to do.
-OPENAI_OPEN_STATUSES = (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS)
 # Each OpenAI status and the timestamp that must be set while a batch is in it.
 OPENAI_STATUS_STAMP = {
     BatchStatus.IN_PROGRESS: "in_progress_at",
@@ -110,7 +108,7 @@ OPENAI_STATUS_STAMP = {
 
 
 class Endpoint(models.TextChoices):
-    """The API families an OpenAI-surface batch may call (spec 003)."""
+    """The API families an OpenAI-surface batch may call (decision 0005)."""
 
     CHAT_COMPLETIONS = "/v1/chat/completions", "/v1/chat/completions"
     COMPLETIONS = "/v1/completions", "/v1/completions"
@@ -159,7 +157,7 @@ class Batch(models.Model):
 
     surface = models.CharField(max_length=16, choices=Surface.choices, default=Surface.NATIVE)
 
-    # --- OpenAI surface (spec 003); blank/null on native batches ---
+    # --- OpenAI surface (decision 0005); blank/null on native batches ---
     endpoint = models.CharField(max_length=32, blank=True, default="", choices=Endpoint.choices)
     completion_window = models.CharField(max_length=8, blank=True, default="")
     model = models.CharField(max_length=200, blank=True, default="")  # the hint, then the records' model
@@ -186,7 +184,7 @@ class Batch(models.Model):
     # --- Waiting and retrying (batches/retrying.py), fixed at submit ---
     # Attempts an item may use: transient failures and worker losses count, waits for capacity don't.
     max_attempts = models.PositiveSmallIntegerField(default=3)
-    # Retry transient failures (5xx, 408, 409, network) with backoff. Native default: off (spec 000).
+    # Retry transient failures (5xx, 408, 409, network) with backoff. Native default: off (decision 0003).
     retry_transient = models.BooleanField(default=False)
     # Wait for capacity (rate limits, open breakers, upstream 429) instead of failing. Native default: off.
     wait_for_capacity = models.BooleanField(default=False)
@@ -309,7 +307,7 @@ class ErrorCodeField(models.CharField):
 class Item(models.Model):
     id = models.UUIDField(primary_key=True)  # UUIDv7; also the usage event's request_id
     # No index of its own: uniq_item_idx (batch, idx) and item_batch_state (batch, state) lead with it,
-    # and every claim and finish updated a third one (issue 11).
+    # and every claim and finish updated a third one (decision 0011).
     batch = models.ForeignKey(Batch, on_delete=models.CASCADE, related_name="items", db_index=False)
     idx = models.PositiveIntegerField()
     state = models.CharField(max_length=16, choices=ItemState.choices, default=ItemState.AVAILABLE)
@@ -375,7 +373,7 @@ class Attempt(models.Model):
     attempts; an upstream 429 is.
     """
 
-    # No index of its own: uniq_attempt_per_claim (item, number) leads with it (issue 11).
+    # No index of its own: uniq_attempt_per_claim (item, number) leads with it (decision 0011).
     item = models.ForeignKey(Item, on_delete=models.CASCADE, related_name="attempts", db_index=False)
     number = models.PositiveIntegerField()  # the claim (Item.attempt) it ran under
     started_at = models.DateTimeField()

@@ -18,7 +18,7 @@ expect batches to wait (design §4):
   item's deadline, a cancel), or the batch does not opt in.
 
 The OpenAI surface waits and retries by default; the native surface keeps
-spec 000's fail-at-once default and opts in per batch (`"retry": {...}`).
+the native contract's (decision 0003) fail-at-once default and opts in per batch (`"retry": {...}`).
 A window or deadline still ends the item: an OpenAI batch expires at its
 window, and no item waits past `RELAY_BATCH_MAX_WAIT_SECONDS` after submit.
 """

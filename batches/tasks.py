@@ -2,23 +2,25 @@
 
 from celery import shared_task
 
-from batches import finalize, lifecycle, services, validation
+from batches import dispatch, sweeper
+from batches.surfaces.openai import finalize, validation
+from batches.worker import drain as worker_drain
 
 
 @shared_task(name="batches.tasks.run_items", ignore_result=True, acks_late=True)
 def run_items() -> int:
-    return services.drain()
+    return worker_drain.drain()
 
 
 @shared_task(name="batches.tasks.sweep", ignore_result=True)
 def sweep() -> dict:
-    return services.sweep()
+    return sweeper.sweep()
 
 
-# A delayed wake-up (batches.lifecycle.wake_at): an item's backoff or a batch's wait for capacity ended.
+# A delayed wake-up (batches.dispatch.wake_at): an item's backoff or a batch's wait for capacity ended.
 @shared_task(name="batches.tasks.wake", ignore_result=True)
 def wake() -> int:
-    return lifecycle.wake_workers()
+    return dispatch.wake_workers()
 
 
 # The OpenAI surface's two background steps. Both are idempotent (they act only

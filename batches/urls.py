@@ -3,7 +3,7 @@ from django.urls import path
 from batches.api import anthropic_views, views
 
 urlpatterns = [
-    # Both batch surfaces (spec 000 and spec 003) share these routes; see batches/api/views.py.
+    # Both batch surfaces (decisions 0003 and 0005) share these routes; see batches/api/views.py.
     path("v1/batches", views.BatchListView.as_view(), name="batches"),
     path("v1/batches/<str:batch_id>", views.BatchDetailView.as_view(), name="batch-detail"),
     path("v1/batches/<str:batch_id>/results", views.BatchResultsView.as_view(), name="batch-results"),

@@ -4,7 +4,7 @@ from django.db import models
 from django.db.models import Q
 from django.utils import timezone
 
-from relay.catalog import CatalogQuerySet
+from relay.generation import CatalogQuerySet
 
 
 class Meter(models.TextChoices):

@@ -5,6 +5,7 @@ changes nothing and the error names the bad entry (`bindings[2]: …`).
 Applying the same file twice reports every entry as unchanged.
 """
 
+import os
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 
@@ -39,6 +40,8 @@ class ApplyReport:
     created: list[str] = field(default_factory=list)
     updated: list[str] = field(default_factory=list)
     unchanged: list[str] = field(default_factory=list)
+    # Applied, but will not work as it is (a host key whose environment variable is unset here).
+    warnings: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
         return f"{len(self.created)} created, {len(self.updated)} updated, {len(self.unchanged)} unchanged"
@@ -317,6 +320,11 @@ def _host_key(e, report, where):
         raise ConfigError("'value' must not be empty")
     rate_limit = _ref(RateLimit, e["rate_limit"], "rate limit") if e.get("rate_limit") else None
     label = f"host key {e['name']}"
+    if env_name and not os.environ.get(env_name):
+        report.warnings.append(
+            f"{label}: environment variable {env_name} is not set in this process; requests routed to this key "
+            "fail with no_keys until the relay runs with it set"
+        )
     key = HostKey.objects.filter(name=_required(e, "name")).first()
     if key is None:
         key = HostKey(

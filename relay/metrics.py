@@ -18,6 +18,14 @@ Series (all prefixed `relay_`):
 
 The histograms and usage counters aggregate the whole usage table at each scrape (one grouped
 query each); retention that deletes rows makes them step down, which Prometheus reads as a reset.
+
+No label value is a string a tenant chose (decision 0014): `model` is a model of the catalog, and every
+other name a usage event holds (an unknown model, a non-string `model`'s text) is counted under
+model="unknown", folded in the query; hosts, keys, policies and workers are the operator's names,
+states, statuses and sources the relay's own. So the number of series is bounded by the catalog's
+size, whatever tenants send.
+
+Only GET and HEAD are answered; any other method is a 405 (never the CSRF check's 403).
 """
 
 import hmac
@@ -25,21 +33,24 @@ import logging
 from datetime import timedelta
 
 from django.conf import settings
-from django.db.models import Count, DurationField, ExpressionWrapper, F, Q, Sum
+from django.db.models import Case, CharField, Count, DurationField, ExpressionWrapper, F, Q, Sum, Value, When
 from django.http import HttpResponse, JsonResponse
+from django.views.decorators.csrf import csrf_exempt
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from batches import dispatch
+from batches.queues import QUEUES
+from relay.errors import RelayError
+
 log = logging.getLogger(__name__)
 
-QUEUES = ("batch", "default")
-# Celery's Redis transport keeps priority steps 3/6/9 in sibling lists named queue + \x06\x16 + step.
-_PRIORITY_SUFFIXES = ("", "\x06\x163", "\x06\x166", "\x06\x169")
 RUN_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 UPSTREAM_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 BREAKER_STATES = ("closed", "half_open", "open")
 NANO = 1_000_000_000
+UNKNOWN_MODEL = "unknown"
 
 
 def _le(bound) -> str:
@@ -70,16 +81,12 @@ def batch_items():
 
 
 def queue_depths() -> dict[str, int]:
-    """Messages waiting in each Celery queue (all priority steps)."""
-    from batches.openai_batches import _broker
-
-    pipe = _broker(settings.CELERY_BROKER_URL).pipeline(transaction=False)
-    for queue in QUEUES:
-        for suffix in _PRIORITY_SUFFIXES:
-            pipe.llen(queue + suffix)
-    lengths = pipe.execute()
-    n = len(_PRIORITY_SUFFIXES)
-    return {queue: sum(lengths[i * n : (i + 1) * n]) for i, queue in enumerate(QUEUES)}
+    """Messages waiting in each Celery queue (all priority steps), through the dispatch module's one
+    broker client."""
+    lengths = dispatch.queue_lengths(QUEUES)
+    if any(n is None for n in lengths.values()):
+        raise RuntimeError("the broker could not be read")  # reported as this source's scrape error
+    return lengths
 
 
 def queue_depth():
@@ -145,15 +152,26 @@ def upstream_seconds():
     )
 
 
+def _catalog_model():
+    """The usage event's model as a label: its own name when the catalog has that model, else "unknown"
+    (folded by the database, so rows of junk names never reach this process one by one)."""
+    from relay.models import LLMModel
+
+    return Case(
+        When(model__in=LLMModel.objects.values("name"), then=F("model")),
+        default=Value(UNKNOWN_MODEL),
+        output_field=CharField(),
+    )
+
+
 def usage_counters():
     from usage.models import UsageEvent
 
+    events = UsageEvent.objects.annotate(label=_catalog_model())
     requests = CounterMetricFamily(
         "relay_usage_requests", "Usage events by model, source and status.", labels=["model", "source", "status"]
     )
-    for model, source, status, n in (
-        UsageEvent.objects.values_list("model", "source", "status").annotate(n=Count("pk")).order_by()
-    ):
+    for model, source, status, n in events.values_list("label", "source", "status").annotate(n=Count("pk")).order_by():
         requests.add_metric([model, source, str(status)], n)
     yield requests
 
@@ -170,7 +188,7 @@ def usage_counters():
     )
     kinds = ("input_tokens", "output_tokens", "cache_read_tokens", "cache_write_tokens")
     rows = (
-        UsageEvent.objects.values("model", "source")
+        events.values("label", "source")
         .annotate(
             **{k: Sum(k) for k in kinds},
             cost=Sum("cost_nano_usd"),
@@ -180,7 +198,7 @@ def usage_counters():
         .order_by()
     )
     for r in rows:
-        labels = [r["model"], r["source"]]
+        labels = [r["label"], r["source"]]
         for k in kinds:
             tokens.add_metric([*labels, k.removesuffix("_tokens")], r[k] or 0)
         cost.add_metric(labels, (r["cost"] or 0) / NANO)
@@ -259,7 +277,7 @@ def ratelimit_denials():
 
 
 def slots_busy() -> dict[str, int]:
-    """Running items per worker host: a lease owner is host:pid:thread (batches.services.worker_id)."""
+    """Running items per worker host: a lease owner is host:pid:thread (batches.worker.drain.worker_id)."""
     from batches.models import Item, ItemState
 
     busy: dict[str, int] = {}
@@ -321,7 +339,15 @@ def _authorized(request) -> bool:
     return hmac.compare_digest(auth[7:].strip().encode(), settings.RELAY_ADMIN_TOKEN.encode())
 
 
+@csrf_exempt  # no session or form is involved: a POST is refused as a method (405), not by the CSRF check
 def metrics_view(request):
+    if request.method not in ("GET", "HEAD"):
+        return RelayError(
+            405,
+            "method_not_allowed",
+            f"{request.method[:20]} is not allowed on /metrics: use GET",
+            headers={"Allow": "GET, HEAD"},
+        ).response()
     if not _authorized(request):
         response = JsonResponse(
             {"error": {"message": "metrics need Authorization: Bearer <RELAY_ADMIN_TOKEN>", "type": "unauthorized"}},

@@ -11,7 +11,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from relay import crypto
-from relay.catalog import CatalogQuerySet
+from relay.generation import CatalogQuerySet
 
 
 class User(AbstractUser):

@@ -138,7 +138,10 @@ def _routed_and_picked(call: Call, ctx: dict):
         try:
             # Catalog generation, inbound limit, key order, breaker probe, tier limit, the provider's
             # learned quota, LRU mark: one Redis round trip.
-            picks = keypool.pick(policy, _candidates(route.keys), max_picks=MAX_KEY_ATTEMPTS, catalog_gen=check)
+            candidates = _candidates(route.keys)
+            if route.keys and not candidates:
+                raise _unreadable_keys(route, call.request_id)
+            picks = keypool.pick(policy, candidates, max_picks=MAX_KEY_ATTEMPTS, catalog_gen=check)
         except ratelimit.RateLimited as exc:
             err = RelayError(429, "rate_limit_exceeded", exc.message, headers={"Retry-After": exc.retry_after})
             err.retry_after = float(exc.retry_after)
@@ -163,7 +166,7 @@ def _same_generation(a, b) -> bool:
 def _dispatch(call: Call, ctx: dict, started: float) -> Outcome:
     route, path, picks = _routed_and_picked(call, ctx)
     body = dict(call.body, model=route.binding.upstream_name)
-    body.pop("openrelay", None)  # relay-owned (tool config, …): never sent to a provider (issue 12)
+    body.pop("openrelay", None)  # relay-owned (tool config, …): never sent to a provider (decision 0013)
     payload = json.dumps(body).encode()
 
     inbound = picks.inbound
@@ -270,6 +273,20 @@ def _dispatch(call: Call, ctx: dict, started: float) -> Outcome:
         err.retry_after = wait
         raise err
     raise RelayError(502, "upstream_unavailable", "no upstream answer")
+
+
+def _unreadable_keys(route: routing.Route, request_id: str) -> RelayError:
+    """Every host key of the route has a secret the relay cannot read (an unset environment variable, a
+    changed master key): a configuration fault, named to the operator in the log and to the caller as
+    what it is, not as keys cooling down."""
+    sources = ", ".join(f"{k.name} ({'$' + k.value_env if k.value_env else 'encrypted value'})" for k in route.keys)
+    log.error("request %s: no host key of %s can be read: %s", request_id, route.host.name, sources)
+    return RelayError(
+        503,
+        "no_keys",
+        f"no host key of {route.host.name} can be used: the relay cannot read their secrets "
+        "(an operator must set them; the relay's log names them)",
+    )
 
 
 @dataclass
@@ -398,7 +415,7 @@ def _finish(
     error_message: str = "",
 ) -> Outcome:
     route: routing.Route | None = ctx["route"]
-    # No host key leaves (issue 12): every pool key of the route was decrypted (and remembered) above.
+    # No host key leaves (decision 0004): every pool key of the route was decrypted (and remembered) above.
     body, headers = scrub.scrub_bytes(body, load=False), scrub.scrub_headers(headers, load=False)
     tokens = tokens or Tokens()
     p = call.principal

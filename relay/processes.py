@@ -19,13 +19,15 @@ import sys
 import tempfile
 import time
 
+from batches import queues
+
 # 8 items in flight per replica, shared by all batches (design §4).
 WORKER_CONCURRENCY = 8
 # Validation and finalization of large batches take seconds; four slots keep a few
 # long jobs (or one frozen process) from holding up the sweeper and the wake-ups.
 CONTROL_CONCURRENCY = 4
-ITEM_QUEUES = "batch"
-CONTROL_QUEUES = "control,default"
+ITEM_QUEUES = queues.ITEM_QUEUE
+CONTROL_QUEUES = f"{queues.CONTROL_QUEUE},{queues.DEFAULT_QUEUE}"
 ROLES = ("worker", "control", "beat")
 
 
@@ -33,7 +35,7 @@ def run_warm_up(steps, log, *, what: str, first: str) -> None:
     """Run a process's warm-up `steps` ((name, callable) pairs) best effort, before it takes work: a
     step that fails is logged and left to the process's `first` request or item; then one INFO line,
     "`what` warmed up in N ms", naming any step that failed. Used by the batch workers
-    (batches.services.warm_up) and the web workers (relay.webserver.warm_up)."""
+    (batches.worker.warmup.warm_up) and the web workers (relay.webserver.warm_up)."""
     started, failed = time.monotonic(), []
     for name, step in steps:
         try:

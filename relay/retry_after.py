@@ -1,4 +1,4 @@
-"""One parser for a provider's `Retry-After` header (issue 12).
+"""One parser for a provider's `Retry-After` header (decision 0010).
 
 RFC 9110 §10.2.3 allows two forms: delta-seconds (a non-negative integer) or an
 HTTP-date. Providers also send decimals ("1.5"), which we accept. Anything else

@@ -16,6 +16,8 @@ from pathlib import Path
 import environ
 from django.core.exceptions import ImproperlyConfigured
 
+from batches import queues
+
 BASE_DIR = Path(__file__).resolve().parent.parent
 
 env = environ.Env()
@@ -64,7 +66,7 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
-    # First: request id, URL/query/Content-Length/chunked checks, JSON errors (issue 12).
+    # First: request id, URL/query/Content-Length/chunked checks, JSON errors (decision 0008).
     "relay.edge.EdgeMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
@@ -106,7 +108,7 @@ DATABASES["default"].setdefault("CONN_MAX_AGE", env.int("DB_CONN_MAX_AGE", defau
 DATABASES["default"]["CONN_HEALTH_CHECKS"] = env.bool("DB_CONN_HEALTH_CHECKS", default=True)
 RELAY_DB_HEALTH_CHECK_IDLE_S = env.float("RELAY_DB_HEALTH_CHECK_IDLE_S", default=1.0)
 # No statement runs longer (PostgreSQL); a native batch streamed into its COPY gets the edge's body
-# deadline on top (batches.services.store_native_streaming).
+# deadline on top (batches.surfaces.native.submit.store_native_streaming).
 RELAY_DB_STATEMENT_TIMEOUT_MS = env.int("RELAY_DB_STATEMENT_TIMEOUT_MS", default=60_000)
 if DATABASES["default"]["ENGINE"].endswith("postgresql"):
     DATABASES["default"]["ENGINE"] = "relay.db.postgresql"
@@ -182,7 +184,7 @@ SPECTACULAR_SETTINGS = {
 # --- Relay ---------------------------------------------------------------
 MiB = 1024 * 1024
 RELAY_MAX_REQUEST_BYTES = env.int("RELAY_MAX_REQUEST_BYTES", default=32 * MiB)
-# The edge (relay.edge, issue 12): longest URL (path + query) accepted, else 414; how long a
+# The edge (relay.edge, decision 0008): longest URL (path + query) accepted, else 414; how long a
 # request body may take to arrive: RELAY_BODY_READ_SECONDS plus one second per
 # RELAY_BODY_MIN_RATE bytes declared, with at most RELAY_BODY_IDLE_SECONDS between two
 # reads (else 408) — so a slow client cannot hold a server thread.
@@ -211,7 +213,7 @@ CELERY_BROKER_TRANSPORT_OPTIONS = {
     "health_check_interval": 30,
     "socket_keepalive": True,
 }
-CELERY_TASK_DEFAULT_QUEUE = "default"
+CELERY_TASK_DEFAULT_QUEUE = queues.DEFAULT_QUEUE
 CELERY_TASK_ALWAYS_EAGER = env.bool("CELERY_TASK_ALWAYS_EAGER", default=False)
 # beat's state file: never in the working directory (embedded mode and compose pass their own -s).
 CELERY_BEAT_SCHEDULE_FILENAME = env.str(
@@ -245,7 +247,7 @@ RELAY_BATCH_SWEEP_SECONDS = env.float("RELAY_BATCH_SWEEP_SECONDS", default=5.0)
 # cap the work in flight: every drain that finds work passes one wake-up on while none is waiting, so
 # the slots of every worker consuming the queue fill within a few claims (batches.lifecycle.pass_on).
 RELAY_BATCH_WAKEUP_WINDOW = env.int("RELAY_BATCH_WAKEUP_WINDOW", default=16)
-# A drain claims its next item while the current one calls out (batches.services.drain) only while
+# A drain claims its next item while the current one calls out (batches.worker.drain) only while
 # the batch has more than this many items after the current one: near a batch's end, an item claimed
 # ahead would wait for this slot's call while another slot stands idle. At least twice the slots of
 # the whole fleet; 0 turns claiming ahead off.
@@ -254,7 +256,7 @@ RELAY_BATCH_CLAIM_AHEAD_MIN_LEFT = env.int("RELAY_BATCH_CLAIM_AHEAD_MIN_LEFT", d
 # --- Retention (batches/retention.py; the `retention` beat job) ------------------------
 # How often expired files, old native batches and pruned credentials are removed.
 RELAY_RETENTION_SWEEP_SECONDS = env.float("RELAY_RETENTION_SWEEP_SECONDS", default=300.0)
-# Native batches (spec 000) finished longer ago than this are deleted with their payloads
+# Native batches (decision 0003) finished longer ago than this are deleted with their payloads
 # (rows, request and response bodies). 0 keeps them until deleted by hand.
 RELAY_NATIVE_BATCH_RETENTION_SECONDS = env.int("RELAY_NATIVE_BATCH_RETENTION_SECONDS", default=0)
 # Revoked inference tokens are remembered until they would have expired anyway, plus this margin.
@@ -277,16 +279,13 @@ RELAY_BATCH_MAX_WAIT_SECONDS = env.int("RELAY_BATCH_MAX_WAIT_SECONDS", default=2
 
 # Item work on `batch` (the 8-slot item worker); everything else of batches — sweeping,
 # validation, finalization, retention — on `control`, its own worker (relay/processes.py).
-CELERY_TASK_ROUTES = {
-    "batches.tasks.run_items": {"queue": "batch"},
-    "batches.tasks.*": {"queue": "control"},
-}
+CELERY_TASK_ROUTES = queues.TASK_ROUTES
 CELERY_BEAT_SCHEDULE = {
     "batch-sweeper": {"task": "batches.tasks.sweep", "schedule": RELAY_BATCH_SWEEP_SECONDS},
     "retention": {"task": "batches.tasks.retention", "schedule": RELAY_RETENTION_SWEEP_SECONDS},
 }
 
-# --- Batches: the OpenAI-compatible surface (Files + Batch objects, spec 003) ---
+# --- Batches: the OpenAI-compatible surface (Files + Batch objects, decision 0005) ---
 # Largest file POST /v1/files accepts (OpenAI's Batch API limit is 200 MB); larger → 413.
 RELAY_MAX_UPLOAD_BYTES = env.int("RELAY_MAX_UPLOAD_BYTES", default=200 * MiB)
 # Uploads in flight at once per credential (counted in Redis); one more → 429.

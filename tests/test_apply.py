@@ -95,3 +95,25 @@ def test_cli_apply_reports_and_rejects(tmp_path, capsys):
     bad.write_text("hosts: [ {name: x")
     with pytest.raises(CommandError, match="not valid YAML"):
         call_command("relay", "apply", "-f", str(bad))
+
+
+def test_a_host_key_whose_environment_variable_is_unset_is_named_at_apply(doc, monkeypatch, tmp_path):
+    envs = {
+        entry["value_from"]["env"] for entry in doc.get("host_keys", []) if isinstance(entry.get("value_from"), dict)
+    }
+    assert envs, "the example catalog reads some host key from the environment"
+    for name in envs:
+        monkeypatch.delenv(name, raising=False)
+    report = apply_config(copy.deepcopy(doc))
+    assert len(report.warnings) == sum(1 for e in doc["host_keys"] if "value_from" in e)
+    assert all("is not set" in w and "no_keys" in w for w in report.warnings)
+    path = tmp_path / "catalog.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    from io import StringIO
+
+    out = StringIO()
+    call_command("relay", "apply", "-f", str(path), stdout=out)
+    assert "warning" in out.getvalue() and sorted(envs)[0] in out.getvalue()
+    for name in envs:
+        monkeypatch.setenv(name, "sk-test-value-0001")
+    assert apply_config(copy.deepcopy(doc)).warnings == []

@@ -387,3 +387,14 @@ def test_the_provider_is_asked_for_an_uncompressed_answer(relay, fake):
     assert headers["accept-encoding"] == "identity"
     assert headers["authorization"] == "Bearer upstream-openai-0" and headers["content-type"] == "application/json"
     assert fake.received[-1]["body"]["model"] == "gpt-4o-2024-08-06"  # the whole body arrived (Content-Length)
+
+
+def test_keys_whose_secret_cannot_be_read_are_named_as_such_not_as_cooling_down(relay, catalog, fake, caplog):
+    HostKey.objects.filter(host=catalog.hosts["openai"]).update(value_env="RELAY_TEST_UNSET_KEY", value_encrypted="")
+    resp = relay.post("/v1/chat/completions", CHAT)
+    assert resp.status_code == 503 and error_of(resp)["code"] == "no_keys"
+    message = error_of(resp)["message"]
+    assert "cannot read their secrets" in message and "cooling down" not in message
+    assert "RELAY_TEST_UNSET_KEY" not in message  # the variable's name is the operator's, in the log
+    assert any("$RELAY_TEST_UNSET_KEY" in r.getMessage() for r in caplog.records)
+    assert not fake.received  # no provider was called

@@ -18,8 +18,15 @@ from django.test import Client
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from batches import anthropic_batches, finalize, ingest, openai_batches, services, storage, validation
+from batches import ingest, storage
+from batches.lifecycle import claim as claims
 from batches.models import Attempt, Batch, File, FilePurpose, Item
+from batches.surfaces.anthropic import create as anthropic_create
+from batches.surfaces.anthropic import read as anthropic_read
+from batches.surfaces.native import submit
+from batches.surfaces.openai import create as openai_create
+from batches.surfaces.openai import finalize, validation
+from batches.worker import execute
 from relay import auth, scrub
 from relay.demo_upstream import Reply
 from relay.models import Host
@@ -197,22 +204,22 @@ def _read(resp) -> str:
 
 
 def _run_all():
-    while (item := services.claim("test-runner")) is not None:
-        services.run_item(item)
+    while (item := claims.claim("test-runner")) is not None:
+        execute.run_item(item)
 
 
 @pytest.mark.django_db(transaction=True)
 def test_native_and_anthropic_results_and_openai_error_files_carry_no_key(catalog, fake):
     _script_all(fake, times=20)
     principal = auth.principal_for_key(catalog.key)
-    native = services.submit_native(principal, io.BytesIO(json.dumps({"shape": "openai", "requests": [CHAT]}).encode()))
+    native = submit.submit_native(principal, io.BytesIO(json.dumps({"shape": "openai", "requests": [CHAT]}).encode()))
     anthropic_req = {"custom_id": "a", "params": MESSAGES}
     with ingest.read_submission(io.BytesIO(json.dumps({"requests": [anthropic_req]}).encode()), 10**8, 50) as sub:
-        anth = anthropic_batches.create(principal, sub)
+        anth = anthropic_create.create(principal, sub)
     record = {"custom_id": "o", "method": "POST", "url": "/v1/chat/completions", "body": CHAT}
     body = {"endpoint": "/v1/chat/completions", "completion_window": "24h", "requests": [record]}
     with ingest.read_submission(io.BytesIO(json.dumps(body).encode()), 10**8, 50) as sub:
-        oai = openai_batches.create(principal, sub)
+        oai = openai_create.create(principal, sub)
     validation.validate(oai.id)
     _run_all()
     finalize.finalize(oai.id)
@@ -220,7 +227,7 @@ def test_native_and_anthropic_results_and_openai_error_files_carry_no_key(catalo
     native_results = _read(Client().get(f"/v1/batches/{native.id}/results", **_auth(catalog)))
     assert "upstream status 400" in native_results and not exposed(native_results), native_results
     b = Batch.objects.get(pk=anth.pk)
-    anthropic_lines = b"".join(anthropic_batches.iter_results(b)).decode()
+    anthropic_lines = b"".join(anthropic_read.iter_results(b)).decode()
     assert '"errored"' in anthropic_lines and not exposed(anthropic_lines), anthropic_lines
     for line in anthropic_lines.splitlines():
         assert not exposed(json.dumps(json.loads(line)))
@@ -268,11 +275,11 @@ def test_an_unreachable_provider_is_named_by_cause_not_by_address(catalog, fake,
     with ingest.read_submission(
         io.BytesIO(json.dumps({"requests": [{"custom_id": "a", "params": MESSAGES}]}).encode()), 10**8, 50
     ) as sub:
-        anth = anthropic_batches.create(principal, sub)
+        anth = anthropic_create.create(principal, sub)
     Batch.objects.filter(pk=anth.pk).update(max_attempts=1)
     Item.objects.filter(batch_id=anth.pk).update(max_attempts=1)
     _run_all()
-    lines = b"".join(anthropic_batches.iter_results(Batch.objects.get(pk=anth.pk))).decode()
+    lines = b"".join(anthropic_read.iter_results(Batch.objects.get(pk=anth.pk))).decode()
     assert "upstream_unreachable" in lines, lines
     for leak in ("127.0.0.1", str(port), "NewConnectionError", "HTTPPool"):
         assert leak not in lines, lines
@@ -284,12 +291,12 @@ def test_an_unreachable_provider_is_named_by_cause_not_by_address(catalog, fake,
 
 @pytest.mark.django_db(transaction=True)
 def test_scrub_secrets_cleans_stored_error_files_and_rows(catalog, fake):
-    from batches.files import write_file
+    from batches.surfaces.openai.files import write_file
 
     principal = auth.principal_for_key(catalog.key)
     leaked = _escaped_echo("upstream-openai-1").decode()
     line = json.dumps({"id": "batch_req_x", "custom_id": "x", "response": None, "error": {"message": leaked}})
-    native = services.submit_native(principal, io.BytesIO(json.dumps({"shape": "openai", "requests": [CHAT]}).encode()))
+    native = submit.submit_native(principal, io.BytesIO(json.dumps({"shape": "openai", "requests": [CHAT]}).encode()))
     file = write_file(
         principal, purpose="batch_output", filename="e.jsonl", chunks=[f"{line}\n".encode()], batch_id=native.id
     )

@@ -26,7 +26,7 @@ class Source(models.TextChoices):
 class UsageEvent(models.Model):
     # "Written once" is a constraint (usage_request_id_unique, below): a UniqueConstraint rather than
     # unique=True, which on PostgreSQL also builds a varchar_pattern_ops index for LIKE queries that
-    # nothing makes, updated at every event (issue 11). The same goes for batch_id's index.
+    # nothing makes, updated at every event (decision 0011). The same goes for batch_id's index.
     request_id = models.CharField(max_length=64)
     source = models.CharField(max_length=16, choices=Source.choices)
     ts = models.DateTimeField(default=timezone.now)

@@ -1,7 +1,7 @@
 """The Anthropic Message Batches endpoints, under /v1/messages/batches and /anthropic/v1/messages/batches.
 
 Thin: authenticate (`x-api-key` or `Authorization: Bearer`, a relay key or an
-inference token), call batches.anthropic_batches, answer. Every error, a 401
+inference token), call batches.surfaces.anthropic, answer. Every error, a 401
 included, is in Anthropic's envelope. `anthropic-version` (and `anthropic-beta`)
 are accepted and not required: the surface speaks the 2023-06-01 version.
 """
@@ -10,9 +10,11 @@ from django.http import JsonResponse, StreamingHttpResponse
 from rest_framework.exceptions import APIException
 from rest_framework.views import APIView
 
-from batches import anthropic_batches as ab
-from batches import intake
+from batches import errors, intake
 from batches.api.views import _AnyAccept
+from batches.lifecycle import states
+from batches.surfaces.anthropic import create as anthropic_create
+from batches.surfaces.anthropic import read as anthropic_read
 from relay.api.authentication import RelayCredentialAuthentication
 from relay.errors import RelayError
 
@@ -24,13 +26,13 @@ class _AnthropicView(APIView):
 
     def initial(self, request, *args, **kwargs):
         super().initial(request, *args, **kwargs)  # authenticates: request.user is the Principal
-        ab.check_access(request.user)
+        anthropic_create.check_access(request.user)
 
     def handle_exception(self, exc):
         if isinstance(exc, RelayError):
-            exc = ab.AnthropicError.of(exc)
+            exc = errors.AnthropicError.of(exc)
         elif isinstance(exc, APIException):  # DRF's own, e.g. 405 for a method this route lacks
-            exc = ab.AnthropicError(exc.status_code, str(exc.detail))
+            exc = errors.AnthropicError(exc.status_code, str(exc.detail))
         return super().handle_exception(exc)
 
     def base_url(self, request) -> str:
@@ -42,39 +44,39 @@ class _AnthropicView(APIView):
 class MessageBatchListView(_AnthropicView):
     def post(self, request):
         with intake.read(request._request) as submission:
-            batch = ab.shown(ab.create(request.user, submission).pk)
-        return JsonResponse(ab.serialize(batch, self.base_url(request)))
+            batch = anthropic_read.shown(anthropic_create.create(request.user, submission).pk)
+        return JsonResponse(anthropic_read.serialize(batch, self.base_url(request)))
 
     def get(self, request):
-        rows, has_more = ab.batches_page(request.user, request.GET)
-        return JsonResponse(ab.page(rows, has_more, self.base_url(request)))
+        rows, has_more = anthropic_read.batches_page(request.user, request.GET)
+        return JsonResponse(anthropic_read.page(rows, has_more, self.base_url(request)))
 
 
 class MessageBatchDetailView(_AnthropicView):
     def get(self, request, batch_id):
-        batch = ab.batch_for_owner(batch_id, request.user, counts=True)
-        return JsonResponse(ab.serialize(batch, self.base_url(request)))
+        batch = anthropic_read.batch_for_owner(batch_id, request.user, counts=True)
+        return JsonResponse(anthropic_read.serialize(batch, self.base_url(request)))
 
     def delete(self, request, batch_id):
-        batch = ab.batch_for_owner(batch_id, request.user)
-        ab.delete(batch)
+        batch = anthropic_read.batch_for_owner(batch_id, request.user)
+        anthropic_read.delete(batch)
         return JsonResponse({"id": batch.public_id, "type": "message_batch_deleted"})
 
 
 class MessageBatchCancelView(_AnthropicView):
     def post(self, request, batch_id):
-        batch = ab.cancel(ab.batch_for_owner(batch_id, request.user))
-        return JsonResponse(ab.serialize(batch, self.base_url(request)))
+        batch = anthropic_read.cancel(anthropic_read.batch_for_owner(batch_id, request.user))
+        return JsonResponse(anthropic_read.serialize(batch, self.base_url(request)))
 
 
 class MessageBatchResultsView(_AnthropicView):
     def get(self, request, batch_id):
-        batch = ab.batch_for_owner(batch_id, request.user)
-        if batch.status not in ab.lifecycle.ANTHROPIC_ENDED:
-            raise ab.invalid(
-                f"Message batch {batch.public_id} is still {ab.processing_status(batch)}: "
+        batch = anthropic_read.batch_for_owner(batch_id, request.user)
+        if batch.status not in states.ANTHROPIC_ENDED:
+            raise errors.invalid_anthropic(
+                f"Message batch {batch.public_id} is still {anthropic_read.processing_status(batch)}: "
                 "its results are available once processing_status is 'ended'."
             )
-        response = StreamingHttpResponse(ab.iter_results(batch), content_type="application/binary")
+        response = StreamingHttpResponse(anthropic_read.iter_results(batch), content_type="application/binary")
         response["Content-Disposition"] = f'attachment; filename="{batch.public_id}_results.jsonl"'
         return response

@@ -1,6 +1,6 @@
 """Batch and file endpoints. Thin: authenticate, call one service or selector, answer.
 
-`/v1/batches` serves both surfaces (design.md §2). POST tells them apart by the
+`/v1/batches` serves both surfaces (decision 0002). POST tells them apart by the
 body (batches.intake); the other routes by the id: a native batch is addressed
 by its UUID, an OpenAI-surface batch by `batch_<hex>`. Each surface answers
 errors in its own envelope; before the body has said which surface it speaks,
@@ -16,12 +16,17 @@ from rest_framework.negotiation import BaseContentNegotiation
 from rest_framework.permissions import BasePermission
 from rest_framework.views import APIView
 
-from batches import files, intake, openai_batches, selectors, services, storage
-from batches.api import serializers
+from batches import intake, storage
 from batches.errors import OpenAIError, invalid
+from batches.lifecycle import stop
 from batches.models import Batch, Surface
+from batches.surfaces.native import read as native_read
+from batches.surfaces.native import submit
+from batches.surfaces.openai import create as openai_create
+from batches.surfaces.openai import files, serialize
+from batches.surfaces.openai import read as openai_read
 from relay.api.authentication import RelayCredentialAuthentication
-from relay.errors import RelayError
+from relay.errors import RelayError, clipped
 
 
 class _AnyAccept(BaseContentNegotiation):
@@ -41,7 +46,7 @@ class OpenAIBatchAccess(BasePermission):
 
     def has_permission(self, request, view):
         if view.openai_errors and request.method in view.access_checked_methods:
-            openai_batches.check_access(request.user)
+            openai_create.check_access(request.user)
         return True
 
 
@@ -65,7 +70,7 @@ class _SurfaceView(APIView):
 
     def answers_as_openai(self, kwargs) -> bool:
         batch_id = kwargs.get("batch_id")
-        return selectors.is_openai_batch_id(batch_id) if batch_id is not None else True
+        return openai_read.is_openai_batch_id(batch_id) if batch_id is not None else True
 
     def handle_exception(self, exc):
         if self.openai_errors:
@@ -89,11 +94,11 @@ class BatchListView(_SurfaceView):
         with read as submission:
             if intake.surface_of(submission.top) == Surface.NATIVE:
                 self._answer_as_native()
-                return self._queued(services.store_native(request.user, submission))
-            batch = openai_batches.create(
+                return self._queued(submit.store_native(request.user, submission))
+            batch = openai_create.create(
                 request.user, submission, idempotency_key=request.headers.get("Idempotency-Key", "").strip()
             )
-        return JsonResponse(serializers.batch(batch))
+        return JsonResponse(serialize.batch(batch))
 
     def _answer_as_native(self) -> None:
         self.openai_errors = False
@@ -103,17 +108,18 @@ class BatchListView(_SurfaceView):
         return JsonResponse({"id": str(batch.id), "status": "queued", "total_items": batch.total_items}, status=202)
 
     def get(self, request):
-        rows, has_more = selectors.openai_batches_page(request.user, request.GET.get("after"), request.GET.get("limit"))
-        return JsonResponse(serializers.page(rows, serializers.batch, has_more))
+        params = request.GET
+        rows, has_more = openai_read.openai_batches_page(request.user, params.get("after"), params.get("limit"))
+        return JsonResponse(serialize.page(rows, serialize.batch, has_more))
 
 
 class BatchDetailView(_SurfaceView):
     def get(self, request, batch_id):
         if not self.openai_errors:
-            batch = selectors.batch_for_owner(batch_id, request.user)
-            return StreamingHttpResponse(selectors.iter_status_json(batch), content_type="application/json")
-        batch = selectors.openai_batch_for_owner(batch_id, request.user, progress=True)
-        return JsonResponse(serializers.batch(batch))
+            batch = native_read.batch_for_owner(batch_id, request.user)
+            return StreamingHttpResponse(native_read.iter_status_json(batch), content_type="application/json")
+        batch = openai_read.openai_batch_for_owner(batch_id, request.user, progress=True)
+        return JsonResponse(serialize.batch(batch))
 
 
 class BatchResultsView(_SurfaceView):
@@ -121,21 +127,21 @@ class BatchResultsView(_SurfaceView):
         return False  # native only: OpenAI-surface results are files
 
     def get(self, request, batch_id):
-        batch = selectors.batch_for_owner(batch_id, request.user)
-        return StreamingHttpResponse(selectors.iter_results_json(batch), content_type="application/json")
+        batch = native_read.batch_for_owner(batch_id, request.user)
+        return StreamingHttpResponse(native_read.iter_results_json(batch), content_type="application/json")
 
 
 class BatchCancelView(_SurfaceView):
     def post(self, request, batch_id):
         if not self.openai_errors:
-            batch = selectors.batch_for_owner(batch_id, request.user)
-            services.cancel(batch)
+            batch = native_read.batch_for_owner(batch_id, request.user)
+            stop.cancel(batch)
             batch.refresh_from_db(fields=["status"])  # a finished batch keeps (and answers) its own status
             return JsonResponse({"status": batch.status})
-        batch = selectors.openai_batch_for_owner(batch_id, request.user)
-        if not services.cancel(batch):
+        batch = openai_read.openai_batch_for_owner(batch_id, request.user)
+        if not stop.cancel(batch):
             raise invalid(f"Cannot cancel a batch with status '{batch.status}'.", code="batch_not_cancellable")
-        return JsonResponse(serializers.batch(batch))
+        return JsonResponse(serialize.batch(batch))
 
 
 # --- files ----------------------------------------------------------------------------------------
@@ -143,31 +149,31 @@ class BatchCancelView(_SurfaceView):
 
 class FileListView(_SurfaceView):
     def post(self, request):
-        return JsonResponse(serializers.file(files.upload(request.user, request._request)))
+        return JsonResponse(serialize.file(files.upload(request.user, request._request)))
 
     def get(self, request):
-        rows, has_more = selectors.files_page(request.user, request.GET)
-        return JsonResponse(serializers.page(rows, serializers.file, has_more))
+        rows, has_more = openai_read.files_page(request.user, request.GET)
+        return JsonResponse(serialize.page(rows, serialize.file, has_more))
 
 
 class FileDetailView(_SurfaceView):
     def get(self, request, file_id):
-        return JsonResponse(serializers.file(selectors.file_for_owner(file_id, request.user)))
+        return JsonResponse(serialize.file(openai_read.file_for_owner(file_id, request.user)))
 
     def delete(self, request, file_id):
-        file = selectors.file_for_owner(file_id, request.user)
+        file = openai_read.file_for_owner(file_id, request.user)
         files.delete(file)
         return JsonResponse({"id": file.public_id, "object": "file", "deleted": True})
 
 
 class FileContentView(_SurfaceView):
     def get(self, request, file_id):
-        file = selectors.file_for_owner(file_id, request.user)
+        file = openai_read.file_for_owner(file_id, request.user)
         chunks = storage.iter_file(file.ref)
         try:
             first = next(chunks, b"")  # a missing payload is an error answer, not a cut-off download
-        except storage.PayloadMissing as exc:  # deleted while we read it: gone, like a deleted file (issue 12)
-            raise OpenAIError(404, None, f"No such File object: {file_id}") from exc
+        except storage.PayloadMissing as exc:  # deleted while we read it: gone, like a deleted file (decision 0009)
+            raise OpenAIError(404, None, f"No such File object: {clipped(file_id)}") from exc
         response = StreamingHttpResponse(itertools.chain([first], chunks), content_type="application/octet-stream")
         response["Content-Length"] = str(file.bytes)
         response["Content-Disposition"] = content_disposition_header(True, file.filename)

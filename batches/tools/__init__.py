@@ -1,11 +1,11 @@
-"""Tool calling inside batch records: `body.openrelay.tool_config` with HTTP and MCP executors (issue 6).
+"""Tool calling inside batch records: `body.openrelay.tool_config` with HTTP and MCP executors (decision 0013).
 
 - `config`: parse and validate `tool_config`, strip the relay-owned `openrelay` key.
 - `netguard`: the SSRF guard every executor connection goes through.
 - `executors`: run one round of tool calls on an `http` or `mcp` executor.
 - `loop`: `run_tool_loop`, the model ↔ executor loop of one record.
 
-See README.md, "Tool calling inside batch records", for the contract, limits, security and failure codes.
+See docs/tool-calling.md for the contract, limits, security and failure codes.
 
 `run_tool_loop` and `LoopResult` are imported on first use: the loop needs the
 pipeline (and so the ORM), while code that only validates a record body at

@@ -8,7 +8,7 @@ invocations. So every invocation keeps routing, limits, key pool, breakers and
 its own usage event, and the item runner records them all when it finishes the
 item.
 
-Rules (issue 6, spec 003):
+Rules (decisions 0013 and 0005):
 - The relay-owned `openrelay` key is stripped before every invocation; a bare
   top-level `tool_config` fails the record (`tool_config_moved`).
 - A turn whose choices[0] ends with finish_reason "tool_calls" sends its calls

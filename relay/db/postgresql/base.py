@@ -3,7 +3,7 @@
 `CONN_HEALTH_CHECKS` makes Django send `SELECT 1` before the first query of every
 request (and of every Celery task), so a connection broken while it sat idle (PostgreSQL
 restarted) is replaced instead of failing that request. On a busy process that check is
-one round trip of the three a live request made (issue 11). This backend skips it when
+one round trip of the three a live request made (decision 0011). This backend skips it when
 the connection answered a query less than `RELAY_DB_HEALTH_CHECK_IDLE_S` (1 s) ago: a
 connection that just worked is as good a proof as `SELECT 1`, and a restart that breaks a
 connection in use fails the statements in flight whether or not they were checked.

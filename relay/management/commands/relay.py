@@ -93,6 +93,8 @@ class Command(BaseCommand):
             self.stdout.write(f"created   {label}")
         for label in report.updated:
             self.stdout.write(f"updated   {label}")
+        for warning in report.warnings:
+            self.stdout.write(self.style.WARNING(f"warning   {warning}"))
         self.stdout.write(self.style.SUCCESS(f"applied {opts['file']}: {report.summary()}"))
 
     # --- keys ---

@@ -25,10 +25,12 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from batches import bulk, ingest, lifecycle, storage
+from batches import bulk, dispatch, ingest, storage
+from batches.lifecycle import states, stop
 from batches.models import Batch, BatchStatus, File, Item, ItemState, Surface
 from batches.tools import config as tools_config
 from relay import jsonguard
+from relay.errors import quoted
 from usage.models import UsageEvent
 
 # Report at most this many problems; a file broken on every line says so soon enough.
@@ -58,9 +60,9 @@ def _error(code: str, message: str, *, line: int | None = None, param: str | Non
 def validate(batch_id) -> None:
     """validating → in_progress (items stored) or failed (errors); a no-op for any other status."""
     with transaction.atomic():
-        lifecycle.allow_long_transaction()  # file work between statements, holding the batch's row
+        states.allow_long_transaction()  # file work between statements, holding the batch's row
         # Another worker validating it (a re-sent message) holds the row: leave it to them.
-        batch = lifecycle.lock(batch_id, Surface.OPENAI, [BatchStatus.VALIDATING])
+        batch = states.lock(batch_id, Surface.OPENAI, [BatchStatus.VALIDATING])
         if batch is None:
             return
         source = File.objects.filter(pk=batch.input_file_id, owner_hash=batch.owner_hash).first()
@@ -82,7 +84,7 @@ def validate(batch_id) -> None:
         except BaseException:
             writer.discard()
             raise
-        lifecycle.move(
+        states.move(
             batch.pk,
             Surface.OPENAI,
             BatchStatus.IN_PROGRESS,
@@ -90,13 +92,13 @@ def validate(batch_id) -> None:
             model=result.model or batch.model,
         )
         if result.available:
-            transaction.on_commit(lifecycle.wake_workers)
+            transaction.on_commit(dispatch.wake_workers)
     if not result.available:
-        lifecycle.complete_if_done(batch_id)  # every record failed validation: straight to finalizing
+        stop.complete_if_done(batch_id)  # every record failed validation: straight to finalizing
 
 
 def _fail(batch: Batch, errors: list[dict]) -> None:
-    lifecycle.move(batch.pk, Surface.OPENAI, BatchStatus.FAILED, errors=errors, total_items=0)
+    states.move(batch.pk, Surface.OPENAI, BatchStatus.FAILED, errors=errors, total_items=0)
 
 
 def _ingest(batch: Batch, source: File, writer) -> _Ingest:
@@ -177,7 +179,7 @@ def _ingest(batch: Batch, source: File, writer) -> _Ingest:
 def _check(raw: bytes, line: int, endpoint: str, seen: dict) -> tuple[dict | None, dict | None]:
     """(record, None) when the line is a well-formed record, else (None, error)."""
     try:
-        record = jsonguard.loads(raw)  # NUL, lone surrogates, depth, non-finite numbers: issue 12
+        record = jsonguard.loads(raw)  # NUL, lone surrogates, depth, non-finite numbers: decision 0009
     except jsonguard.JSONGuardError as exc:
         if exc.code == "invalid_json":
             return None, _error("invalid_json_line", f"Line {line} is not valid JSON: {exc}", line=line)
@@ -200,7 +202,7 @@ def _check(raw: bytes, line: int, endpoint: str, seen: dict) -> tuple[dict | Non
     if custom_id in seen:
         return None, _error(
             "duplicate_custom_id",
-            f"The custom_id {custom_id!r} is already used on line {seen[custom_id]}; "
+            f"The custom_id {quoted(custom_id)} is already used on line {seen[custom_id]}; "
             "custom_id must be unique in a batch.",
             line=line,
             param="custom_id",
@@ -209,13 +211,16 @@ def _check(raw: bytes, line: int, endpoint: str, seen: dict) -> tuple[dict | Non
     method = record.get("method")
     if method != "POST":
         return None, _error(
-            "invalid_method", f"Invalid 'method': {method!r}. Only 'POST' is supported.", line=line, param="method"
+            "invalid_method",
+            f"Invalid 'method': {quoted(method)}. Only 'POST' is supported.",
+            line=line,
+            param="method",
         )
     url = record.get("url")
     if url != endpoint:
         return None, _error(
             "mismatched_url",
-            f"The 'url' {url!r} does not match the batch's endpoint {endpoint!r}; every record must call it.",
+            f"The 'url' {quoted(url)} does not match the batch's endpoint {endpoint!r}; every record must call it.",
             line=line,
             param="url",
         )

@@ -29,6 +29,8 @@ from batches import retention, storage
 from batches.errors import OpenAIError, invalid, missing
 from batches.models import File, FilePurpose
 from relay.auth import Principal
+from relay.errors import clipped, quoted
+from relay.http import ascii_int
 from relay.redis import get_redis
 
 log = logging.getLogger(__name__)
@@ -114,7 +116,7 @@ class _StorageUploadHandler(FileUploadHandler):
         if content_length is not None and content_length > self.limit:
             raise storage.FileTooLarge(self.limit)
         self.file_id = uuid6.uuid7()
-        # Stored as text in PostgreSQL: no NUL, no lone surrogate (issue 12); the path part is already gone.
+        # Stored as text in PostgreSQL: no NUL, no lone surrogate (decision 0009); the path part is already gone.
         self.filename = file_name.replace("\x00", "").encode("utf-8", "replace").decode("utf-8")[:255]
         self.writer = storage.file_writer(str(self.file_id), limit=self.limit)
 
@@ -137,8 +139,8 @@ def upload(principal: Principal, django_request) -> File:
     limit = settings.RELAY_MAX_UPLOAD_BYTES
     if not django_request.META.get("CONTENT_TYPE", "").startswith("multipart/form-data"):
         raise invalid("Uploads must be multipart/form-data with a 'file' part and a 'purpose' field.", param="file")
-    declared = django_request.META.get("CONTENT_LENGTH") or ""
-    if declared.isdigit() and int(declared) > limit + _MULTIPART_OVERHEAD:
+    declared = ascii_int(django_request.META.get("CONTENT_LENGTH") or "")
+    if declared is not None and declared > limit + _MULTIPART_OVERHEAD:
         raise too_large(limit)  # refused before reading a byte
     with upload_slot(principal):
         return _receive(principal, django_request, limit)
@@ -153,18 +155,20 @@ def _receive(principal: Principal, django_request, limit: int) -> File:
         except storage.FileTooLarge as exc:
             raise too_large(limit) from exc
         except (MultiPartParserError, RequestDataTooBig, TooManyFieldsSent, TooManyFilesSent) as exc:
-            raise invalid(f"Malformed multipart body: {exc}", code="invalid_multipart") from exc
+            raise invalid(f"Malformed multipart body: {clipped(exc)}", code="invalid_multipart") from exc
         unknown = sorted(set(fields) - _UPLOAD_FIELDS - retention.UPLOAD_FIELDS)
         if unknown:
             raise invalid(
-                f"Unsupported upload field(s): {', '.join(unknown)}.", param=unknown[0], code="unknown_parameter"
+                f"Unsupported upload field(s): {clipped(', '.join(unknown))}.",
+                param=clipped(unknown[0]),
+                code="unknown_parameter",
             )
         purpose = fields.get("purpose", "")
         if not purpose:
             raise missing("purpose")
         if purpose != FilePurpose.BATCH:
             raise invalid(
-                f"Invalid value for 'purpose': {purpose!r}. This relay accepts only 'batch'.", param="purpose"
+                f"Invalid value for 'purpose': {quoted(purpose)}. This relay accepts only 'batch'.", param="purpose"
             )
         if handler.writer is None:
             raise missing("file")

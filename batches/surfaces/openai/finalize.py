@@ -22,10 +22,11 @@ import uuid6
 from django.db import transaction
 from django.utils import timezone
 
-from batches import lifecycle, retention, storage
-from batches.files import owner_columns
+from batches import retention, storage
+from batches.lifecycle import states
 from batches.models import PENDING_STATES, Batch, BatchStatus, File, FilePurpose, Item, ItemState, Surface
 from batches.outcomes import Code, openai_code
+from batches.surfaces.openai.files import owner_columns
 
 PAGE = 1000
 EXPIRED_MESSAGE = "This request could not be executed before the completion window expired."
@@ -36,9 +37,9 @@ _NATIVE_PREFIXES = ("batch item: ", "batch: ")
 def finalize(batch_id) -> None:
     """finalizing|cancelling (no pending item) → completed | expired | cancelled, with its files."""
     with transaction.atomic():
-        lifecycle.allow_long_transaction()  # reads every result between page queries, holding the row
+        states.allow_long_transaction()  # reads every result between page queries, holding the row
         # Another worker finalizing it holds the row: leave it to them.
-        batch = lifecycle.lock(batch_id, Surface.OPENAI, [BatchStatus.FINALIZING, BatchStatus.CANCELLING])
+        batch = states.lock(batch_id, Surface.OPENAI, [BatchStatus.FINALIZING, BatchStatus.CANCELLING])
         if batch is None:
             return
         if Item.objects.filter(batch_id=batch.pk, state__in=PENDING_STATES).exists():
@@ -58,7 +59,7 @@ def finalize(batch_id) -> None:
             final = BatchStatus.CANCELLED
         else:
             final = BatchStatus.COMPLETED
-        lifecycle.move(batch.pk, Surface.OPENAI, final, output_file_id=output_id, error_file_id=error_id)
+        states.move(batch.pk, Surface.OPENAI, final, output_file_id=output_id, error_file_id=error_id)
 
 
 class _ResultFile:

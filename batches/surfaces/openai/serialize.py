@@ -1,7 +1,7 @@
 """The OpenAI surface's objects, as OpenAI shapes them: Batch, File, lists. Timestamps are Unix seconds."""
 
-from batches import selectors
 from batches.models import Batch, File
+from batches.surfaces.openai import read as openai_read
 
 
 def _ts(dt) -> int | None:
@@ -33,9 +33,9 @@ def batch(b: Batch) -> dict:
         "expired_at": _ts(b.expired_at),
         "cancelling_at": _ts(b.cancelling_at),
         "cancelled_at": _ts(b.cancelled_at),
-        "request_counts": selectors.request_counts(b),
+        "request_counts": openai_read.request_counts(b),
         "metadata": b.metadata,
-        "usage": selectors.usage(b),
+        "usage": openai_read.usage(b),
     }
 
 

@@ -1,9 +1,9 @@
-"""The OpenAI-compatible batch surface (spec 003): access, create, and the sweeper's look-ups.
+"""The OpenAI-compatible batch surface (decision 0005): access, create, and the sweeper's look-ups.
 
 Same Batch and Item rows and the same execution path as the native surface
-(batches/services.py: claim, run_item, finish, heartbeat, sweep). This module
+(batches/worker/: claim, run, finish, heartbeat; batches/sweeper.py). This module
 decides only how an OpenAI batch is created; how it moves through its
-lifecycle (cancel, expiry, finalizing) lives in batches/lifecycle.py. Records
+lifecycle (cancel, expiry, finalizing) lives in batches/lifecycle/. Records
 are validated in the background (batches/validation.py) and results are
 written as files at the end (batches/finalize.py). A record's relay-owned
 `openrelay` key is split off in services (batches/tools/config.py) before any
@@ -12,20 +12,20 @@ model sees the body.
 
 import logging
 from datetime import timedelta
-from functools import lru_cache
 
-import redis
 import uuid6
 from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from batches import ingest, lifecycle, retention, selectors, storage
+from batches import dispatch, ingest, retention, storage
 from batches.errors import OpenAIError, invalid, missing, no_batch_access
-from batches.files import write_file
 from batches.models import Batch, BatchStatus, Endpoint, File, FilePurpose, Shape, Surface
+from batches.surfaces.openai import read as openai_read
+from batches.surfaces.openai.files import write_file
 from policies.models import Policy
 from relay.auth import Principal
+from relay.errors import clipped, quoted
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ def create(principal: Principal, submission: ingest.Submission, *, idempotency_k
                 **Batch.attribution(principal),
             )
             retention.remember_output_expiry(batch_id, params["output_expires_after"])
-            transaction.on_commit(lambda: lifecycle.hand_off("validate_openai_batch", batch_id))
+            transaction.on_commit(lambda: dispatch.hand_off("validate_openai_batch", batch_id))
     except BaseException as exc:
         if inline is not None:
             storage.delete_file(inline.ref)  # its row went with the rollback; its bytes go now
@@ -139,15 +139,14 @@ def _create_params(submission: ingest.Submission) -> dict:
     top = submission.top
     unknown = sorted(set(top) - CREATE_KEYS)
     if unknown:
-        raise invalid(
-            f"Unrecognized request argument supplied: {unknown[0]}", param=unknown[0], code="unknown_parameter"
-        )
+        name = clipped(unknown[0])
+        raise invalid(f"Unrecognized request argument supplied: {name}", param=name, code="unknown_parameter")
     endpoint = top.get("endpoint")
     if endpoint is None:
         raise missing("endpoint")
     if endpoint not in Endpoint.values:
         raise invalid(
-            f"Invalid value for 'endpoint': {endpoint!r}. Supported values are: "
+            f"Invalid value for 'endpoint': {quoted(endpoint)}. Supported values are: "
             + ", ".join(f"'{e}'" for e in Endpoint.values)
             + ".",
             param="endpoint",
@@ -157,7 +156,8 @@ def _create_params(submission: ingest.Submission) -> dict:
         raise missing("completion_window")
     if window != "24h":
         raise invalid(
-            f"Invalid value for 'completion_window': {window!r}. Only '24h' is supported.", param="completion_window"
+            f"Invalid value for 'completion_window': {quoted(window)}. Only '24h' is supported.",
+            param="completion_window",
         )
     has_file, has_requests = "input_file_id" in top, "requests" in top
     if has_file and has_requests:
@@ -179,7 +179,7 @@ def _create_params(submission: ingest.Submission) -> dict:
         raise invalid(
             "Invalid type for 'input_file_id': expected a string.", param="input_file_id", code="invalid_type"
         )
-    if has_file and not file_id.strip():  # "" is not "no file": refuse it (issue 12)
+    if has_file and not file_id.strip():  # "" is not "no file": refuse it (decision 0009)
         raise invalid("Invalid 'input_file_id': empty string; pass a file id (file-…).", param="input_file_id")
     if has_requests:
         max_items = settings.RELAY_BATCH_MAX_ITEMS
@@ -218,7 +218,8 @@ def _metadata(value) -> dict | None:
     for key, val in value.items():
         if len(key) > METADATA_KEY_MAX:
             raise invalid(
-                f"'metadata' key {key[:20]!r}… is longer than {METADATA_KEY_MAX} characters.", param=f"metadata.{key}"
+                f"'metadata' key {key[:20]!r}… is longer than {METADATA_KEY_MAX} characters.",
+                param=f"metadata.{clipped(key)}",
             )
         if not isinstance(val, str):
             raise invalid(f"'metadata.{key}' must be a string.", param=f"metadata.{key}", code="invalid_type")
@@ -236,13 +237,13 @@ def _model_hint(value) -> str | None:
 
 
 def _input_file(principal: Principal, public_id: str) -> File:
-    pk = selectors.parse_public_id(public_id, "file-")
-    file = selectors.live_files(principal).filter(pk=pk).first() if pk is not None else None
+    pk = openai_read.parse_public_id(public_id, "file-")
+    file = openai_read.live_files(principal).filter(pk=pk).first() if pk is not None else None
     if file is None:
-        raise invalid(f"No file found with id '{public_id}'.", param="input_file_id", code="file_not_found")
+        raise invalid(f"No file found with id '{clipped(public_id)}'.", param="input_file_id", code="file_not_found")
     if file.purpose != FilePurpose.BATCH:
         raise invalid(
-            f"File '{public_id}' has purpose '{file.purpose}'; a batch input file must have purpose 'batch'.",
+            f"File '{clipped(public_id)}' has purpose '{file.purpose}'; a batch input file must have purpose 'batch'.",
             param="input_file_id",
         )
     return file
@@ -262,40 +263,12 @@ def _replay(principal: Principal, key: str, sha256: str) -> Batch | None:
     return first
 
 
-@lru_cache(maxsize=4)
-def _broker(url: str) -> redis.Redis:
-    return redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
-
-
 def _check_dispatchable() -> None:
     """503 (nothing stored) when the queue broker cannot take the validation message."""
-    url = settings.CELERY_BROKER_URL
-    if not url.startswith(("redis://", "rediss://", "unix://")):
-        return
-    try:
-        _broker(url).ping()
-    except redis.RedisError as exc:
+    if not dispatch.broker_reachable():
         raise OpenAIError(
             503,
             "dispatch_unavailable",
             "The batch could not be dispatched: the queue broker is unreachable. Retry shortly.",
             headers={"Retry-After": 2},
-        ) from exc
-
-
-# --- the sweeper's part -------------------------------------------------------------------------
-
-
-def expire_due(now) -> int:
-    """Expire open batches past their window (batches.lifecycle.expire_openai); at most 100 per sweep."""
-    due = Batch.objects.filter(surface=Surface.OPENAI, status__in=lifecycle.OPENAI_STOPPABLE, expires_at__lte=now)
-    return sum(lifecycle.expire_openai(batch_id, now) for batch_id in due.values_list("id", flat=True)[:100])
-
-
-def lost_validations(stale) -> list:
-    """Batches validating since before `stale`: their validation message was lost (or its worker died)."""
-    return list(
-        Batch.objects.filter(surface=Surface.OPENAI, status=BatchStatus.VALIDATING, created_at__lt=stale).values_list(
-            "id", flat=True
-        )[:100]
-    )
+        )

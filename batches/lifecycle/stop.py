@@ -1,0 +1,273 @@
+"""How a batch ends: completion once no item is pending, cancel and expiry per surface, and the
+cancelled items of a batch whose cancel outran them."""
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from django.db import OperationalError, connection, transaction
+from django.db.models import Exists, OuterRef, Q
+from django.utils import timezone
+
+from batches import dispatch
+from batches.errors import BatchBusy
+from batches.lifecycle.states import OPEN, OPENAI_STOPPABLE, S, St, lock, move
+from batches.models import PENDING_STATES, Batch, Item, Surface
+from batches.outcomes import Code
+
+log = logging.getLogger(__name__)
+
+CANCELLED_ERROR = "batch: cancelled"
+EXPIRED_ERROR = "batch: the completion window ended before this request ran"
+_STOP_MESSAGES = {Code.BATCH_CANCELLED: CANCELLED_ERROR, Code.BATCH_EXPIRED: EXPIRED_ERROR}
+
+
+def cancel_pending_items(batch_id, code: str = Code.BATCH_CANCELLED) -> int:
+    """available → cancelled for one batch (cancel or expiry); running items stop at their heartbeat."""
+    return Item.objects.filter(batch_id=batch_id, state=St.AVAILABLE).update(
+        state=St.CANCELLED, finished_at=timezone.now(), error=_STOP_MESSAGES[code], error_code=code
+    )
+
+
+# Index-backed whatever the table's statistics say (autovacuum may be off, as in CI): a running item
+# through item_running, else the first available one through item_available in idx order. (An EXISTS
+# over `state IN (...)` lets the planner pick a sequential scan that walks every finished row first.)
+_PENDING_SQL = """
+SELECT EXISTS (SELECT 1 FROM batches_item WHERE batch_id = %(batch)s AND state = 'running')
+    OR (SELECT idx FROM batches_item WHERE batch_id = %(batch)s AND state = 'available' ORDER BY idx LIMIT 1)
+       IS NOT NULL
+"""
+
+
+def has_pending_items(batch_id) -> bool:
+    """Does the batch still have an item available or running? One indexed probe, whatever its size."""
+    if connection.vendor != "postgresql":
+        return Item.objects.filter(batch_id=batch_id, state__in=PENDING_STATES).exists()
+    with connection.cursor() as cursor:
+        cursor.execute(_PENDING_SQL, {"batch": batch_id})
+        return cursor.fetchone()[0]
+
+
+def complete_if_done(batch_id) -> bool:
+    """Once every item is final: a native batch completes (or, cancelled, is stamped completed_at);
+    an OpenAI batch moves to finalizing and its finalization is handed off; an Anthropic batch ends
+    (completed, expired or cancelled: its results are read from the items). True when all are final.
+
+    Idempotent and safe to call from anywhere, any number of times.
+    """
+    if has_pending_items(batch_id):
+        return False
+    row = Batch.objects.filter(pk=batch_id).values_list("surface", "status").first()
+    if row is None:
+        return True
+    surface, status = row
+    SURFACES[surface].all_final(batch_id, status)
+    return True
+
+
+def _native_all_final(batch_id, status: str) -> None:
+    if status == S.CANCELLED:
+        Batch.objects.filter(pk=batch_id, completed_at__isnull=True).update(completed_at=timezone.now())
+    elif status in OPEN[Surface.NATIVE]:
+        move(batch_id, Surface.NATIVE, S.COMPLETED)
+
+
+def _openai_all_final(batch_id, status: str) -> None:
+    if status == S.IN_PROGRESS:
+        move(batch_id, Surface.OPENAI, S.FINALIZING, frm=[S.IN_PROGRESS])
+        status = S.FINALIZING
+    if status in (S.FINALIZING, S.CANCELLING):
+        transaction.on_commit(lambda: dispatch.hand_off("finalize_openai_batch", batch_id))
+
+
+def unfinished_batches(limit: int = 100) -> list:
+    """Open batches whose items are all final: what `complete_if_done` missed (a crash between commit and check)."""
+    pending = Item.objects.filter(batch_id=OuterRef("pk"), state__in=PENDING_STATES)
+    native = Q(surface=Surface.NATIVE, completed_at__isnull=True, status__in=[S.QUEUED, S.RUNNING, S.CANCELLED])
+    openai = Q(surface=Surface.OPENAI, status__in=[S.IN_PROGRESS, S.FINALIZING, S.CANCELLING])
+    anthropic = Q(surface=Surface.ANTHROPIC, status__in=OPEN[Surface.ANTHROPIC])
+    return list(
+        Batch.objects.filter(native | openai | anthropic)
+        .filter(~Exists(pending))
+        .values_list("id", "surface", "status", "finalizing_at", "cancelling_at")[:limit]
+    )
+
+
+# --- stopping a batch ---------------------------------------------------------------------------
+
+
+def cancel_native(batch_id) -> None:
+    """Cancel a native batch: pending items now; running ones at their next heartbeat, on every replica."""
+    now = timezone.now()
+    with transaction.atomic():
+        Batch.objects.filter(pk=batch_id, cancel_requested_at__isnull=True).update(cancel_requested_at=now)
+        move(batch_id, Surface.NATIVE, S.CANCELLED, frm=OPEN[Surface.NATIVE])
+        cancel_pending_items(batch_id, Code.BATCH_CANCELLED)
+    complete_if_done(batch_id)
+
+
+def start_cancelling(batch_id, surface: str, frm) -> bool:
+    """→ cancelling; pending items cancelled now, running ones stop at their next heartbeat (on every
+    replica); cancelled once none is pending (complete_if_done). True if it moved."""
+    now = timezone.now()
+    try:
+        with transaction.atomic():
+            # Waits for a running validation (it holds the row; up to CANCEL_WAIT_MS, then BatchBusy)
+            # and re-checks the status after it.
+            _wait_for_row_lock(CANCEL_WAIT_MS)
+            moved = move(batch_id, surface, S.CANCELLING, frm=frm, cancel_requested_at=now)
+            if moved:
+                cancel_pending_items(batch_id, Code.BATCH_CANCELLED)
+    except OperationalError as exc:
+        if getattr(exc.__cause__, "pgcode", None) == LOCK_NOT_AVAILABLE:
+            raise BatchBusy() from exc
+        raise
+    if moved:
+        complete_if_done(batch_id)
+    return moved
+
+
+CANCEL_WAIT_MS = 120_000
+
+
+LOCK_NOT_AVAILABLE = "55P03"  # PostgreSQL's SQLSTATE for lock_timeout
+
+
+def _wait_for_row_lock(ms: int) -> None:
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute(f"SET LOCAL lock_timeout = {int(ms)}")
+
+
+def cancel_openai(batch_id) -> bool:
+    """validating|in_progress → cancelling. True if it moved."""
+    return start_cancelling(batch_id, Surface.OPENAI, OPENAI_STOPPABLE)
+
+
+def expire_openai(batch_id, now) -> bool:
+    """The window closed: validating|in_progress → finalizing (expired_at set); pending records end
+    as batch_expired, running ones stop at their next heartbeat (they read the cancel flag)."""
+    with transaction.atomic():
+        if lock(batch_id, Surface.OPENAI, OPENAI_STOPPABLE) is None:
+            return False  # finished meanwhile, or a validation holds it: the next sweep
+        move(
+            batch_id,
+            Surface.OPENAI,
+            S.FINALIZING,
+            frm=OPENAI_STOPPABLE,
+            finalizing_at=now,
+            expired_at=now,
+            cancel_requested_at=now,
+        )
+        cancel_pending_items(batch_id, Code.BATCH_EXPIRED)
+    complete_if_done(batch_id)
+    return True
+
+
+def end_anthropic(batch_id, status: str) -> bool:
+    """An Anthropic batch whose items are all final ends: cancelling → cancelled; in_progress → expired
+    when its window closed (expired_at), else completed. Call once no item is pending."""
+    if status == S.CANCELLING:
+        return move(batch_id, Surface.ANTHROPIC, S.CANCELLED, frm=[S.CANCELLING])
+    if status != S.IN_PROGRESS:
+        return False
+    expired = Batch.objects.filter(pk=batch_id, expired_at__isnull=False).exists()
+    return move(batch_id, Surface.ANTHROPIC, S.EXPIRED if expired else S.COMPLETED, frm=[S.IN_PROGRESS])
+
+
+def cancel_anthropic(batch_id) -> bool:
+    """in_progress → cancelling. True if it moved."""
+    return start_cancelling(batch_id, Surface.ANTHROPIC, [S.IN_PROGRESS])
+
+
+def expire_anthropic(batch_id, now) -> bool:
+    """The window closed on an in_progress Anthropic batch: expired_at is stamped (it stays in_progress,
+    `processing_status` too, until its running requests stop); pending requests end as batch_expired,
+    running ones stop at their next heartbeat; then it ends `expired`."""
+    with transaction.atomic():
+        stamped = Batch.objects.filter(
+            pk=batch_id, surface=Surface.ANTHROPIC, status=S.IN_PROGRESS, expired_at__isnull=True
+        ).update(expired_at=now, cancel_requested_at=now)
+        if stamped:
+            cancel_pending_items(batch_id, Code.BATCH_EXPIRED)
+    if stamped:
+        complete_if_done(batch_id)
+    return bool(stamped)
+
+
+def cancel_orphans() -> int:
+    """Available items of batches whose cancel flag is set: a crash between the flag and the items."""
+    n = 0
+    flagged = (
+        Item.objects.filter(state=St.AVAILABLE, batch__cancel_requested_at__isnull=False)
+        .values_list("batch_id", "batch__expired_at")
+        .distinct()[:100]
+    )
+    for batch_id, expired_at in flagged:
+        n += cancel_pending_items(batch_id, Code.BATCH_EXPIRED if expired_at else Code.BATCH_CANCELLED)
+        complete_if_done(batch_id)
+    return n
+
+
+def cancel(batch: Batch) -> bool:
+    """Cancel a batch of any surface. Native: pending items now, running ones at their next
+    heartbeat on every replica. OpenAI: cancelling → cancelled once its partial results are written;
+    Anthropic: cancelling → cancelled once no request is running; False when it had already finished."""
+    moved = SURFACES[batch.surface].cancel(batch.pk)
+    if batch.surface == Surface.NATIVE:
+        return True
+    batch.refresh_from_db()
+    return moved or batch.status in (S.CANCELLING, S.CANCELLED)
+
+
+def _cancel_native(batch_id) -> bool:
+    cancel_native(batch_id)
+    return True
+
+
+# --- the surfaces, as the lifecycle sees them ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SurfaceRules:
+    """What a batch surface means to the lifecycle: when its window closes (`expirable`: its batches that
+    may still expire; `expire`: close one), what happens once every item is final (`all_final`), and
+    how a cancel starts. The completion check, the sweeper's expiry and cancel loop over these; a new
+    surface is one more entry."""
+
+    all_final: Callable[[object, str], None]
+    cancel: Callable[[object], bool]
+    expirable: Q | None = None
+    expire: Callable[[object, object], bool] | None = None
+
+
+SURFACES = {
+    Surface.NATIVE: SurfaceRules(all_final=_native_all_final, cancel=_cancel_native),
+    Surface.OPENAI: SurfaceRules(
+        all_final=_openai_all_final,
+        cancel=cancel_openai,
+        expirable=Q(status__in=OPENAI_STOPPABLE),
+        expire=expire_openai,
+    ),
+    Surface.ANTHROPIC: SurfaceRules(
+        all_final=end_anthropic,
+        cancel=cancel_anthropic,
+        expirable=Q(status=S.IN_PROGRESS, expired_at__isnull=True),
+        expire=expire_anthropic,
+    ),
+}
+assert set(SURFACES) == set(Surface.values)
+
+# Batches closed per surface per sweep: the rest wait for the next one.
+EXPIRE_PER_SWEEP = 100
+
+
+def expire_due(now) -> int:
+    """Close the window of every open batch past its `expires_at`, surface by surface."""
+    closed = 0
+    for surface, rules in SURFACES.items():
+        if rules.expire is None:
+            continue
+        due = Batch.objects.filter(rules.expirable, surface=surface, expires_at__lte=now)
+        closed += sum(rules.expire(batch_id, now) for batch_id in due.values_list("id", flat=True)[:EXPIRE_PER_SWEEP])
+    return closed

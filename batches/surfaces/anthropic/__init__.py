@@ -1,0 +1,1 @@
+"""The anthropic batch surface (see batches/surfaces/__init__.py)."""

@@ -1,0 +1,95 @@
+"""What the three batch surfaces share at their edges, written once: the owner's batches of a
+surface, the `limit` of a list, the final items of a batch counted per kind, its items read a page
+at a time for results, a failure's message without the relay's prefixes, and the waiting and
+retrying that the OpenAI and Anthropic surfaces apply to every batch."""
+
+import json
+from collections.abc import Callable, Iterator
+
+from django.conf import settings
+from django.db.models import Count, IntegerField, OuterRef, Q, Subquery
+
+from batches.models import Batch, Item
+from relay.auth import Principal
+from relay.errors import RelayError, quoted
+from relay.http import ascii_int
+
+# Items of a batch read per query when its results are written or streamed.
+RESULT_PAGE = 1000
+RESULT_FIELDS = ("id", "idx", "custom_id", "state", "result_ref", "status_code", "error", "error_code", "error_body")
+# What the worker puts in front of an item's failure message (batches/worker/execute.py).
+_FAILURE_PREFIXES = ("batch item: ", "batch: ")
+
+
+def owned(principal: Principal, surface: str):
+    """The caller's batches of one surface: another owner's, or another surface's, are not found."""
+    return Batch.objects.filter(owner_hash=principal.owner_hash, surface=surface)
+
+
+def parse_limit(raw: str | None, *, default: int, maximum: int, refuse: Callable[[str, str], RelayError]) -> int:
+    """A list's `limit`: ASCII digits only (not "", "+5", " 5", "5_0" or other scripts' digits), from 1
+    to `maximum`; `refuse(problem, code)` makes the surface's own error."""
+    if raw is None:
+        return default
+    limit = ascii_int(raw)
+    if limit is None:
+        raise refuse(f"expected an integer, but got {quoted(raw)} instead", "invalid_type")
+    if limit < 1:
+        raise refuse(
+            f"integer below minimum value. Expected a value >= 1, but got {limit} instead", "integer_below_min_value"
+        )
+    if limit > maximum:
+        raise refuse(
+            f"integer above maximum value. Expected a value <= {maximum}, but got {limit} instead",
+            "integer_above_max_value",
+        )
+    return limit
+
+
+def count_items(qs, kinds: dict[str, Q]):
+    """Annotate batches with how many of their items match each kind (`n` per name): a correlated
+    subquery per kind on the items' (batch, state) index, so a page of batches is one statement."""
+    annotations = {}
+    for name, condition in kinds.items():
+        items = Item.objects.filter(condition, batch_id=OuterRef("pk")).order_by().values("batch_id")
+        annotations[name] = Subquery(items.annotate(c=Count("*")).values("c"), output_field=IntegerField())
+    return qs.annotate(**annotations)
+
+
+def result_rows(batch: Batch) -> Iterator[dict]:
+    """The batch's items in input order (RESULT_FIELDS), one page in memory at a time."""
+    last = -1
+    while True:
+        page = list(
+            Item.objects.filter(batch_id=batch.pk, idx__gt=last).order_by("idx").values(*RESULT_FIELDS)[:RESULT_PAGE]
+        )
+        if not page:
+            return
+        yield from page
+        last = page[-1]["idx"]
+
+
+def jsonl(obj: dict) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
+
+
+def failure_message(error: str) -> str:
+    """An item's failure as a tenant reads it: without the relay's `batch item: ` / `batch: ` prefix."""
+    for prefix in _FAILURE_PREFIXES:
+        if error.startswith(prefix):
+            return error[len(prefix) :]
+    return error or "The request failed."
+
+
+def json_or(text: str, fallback):
+    """`text` parsed as JSON, or `fallback` (given the text) when it is not JSON."""
+    try:
+        return json.loads(text) if text else fallback(text)
+    except ValueError:
+        return fallback(text)
+
+
+def waiting_and_retrying() -> dict:
+    """A batch of the OpenAI or Anthropic surface waits out a busy provider and retries what is
+    transient (docs/decisions/0007-busy-provider-waits.md); the native surface opts in per batch."""
+    return {"max_attempts": settings.RELAY_BATCH_MAX_ATTEMPTS, "retry_transient": True, "wait_for_capacity": True}

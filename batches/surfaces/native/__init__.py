@@ -1,0 +1,1 @@
+"""The native batch surface (see batches/surfaces/__init__.py)."""

@@ -1,0 +1,1 @@
+"""The openai batch surface (see batches/surfaces/__init__.py)."""

@@ -1,0 +1,100 @@
+"""The sweeper: rescues items whose worker died, discards the ones lost on every attempt, ends what
+nothing else will, expires batches past their window, re-sends lost control messages, then tops up
+the wake-ups. Idempotent; any replica may run it, on the control queue."""
+
+import logging
+
+from django.conf import settings
+from django.db import connection
+from django.utils import timezone
+
+from batches import dispatch, retrying
+from batches.lifecycle import finish, stop
+from batches.models import Attempt, Batch, BatchStatus, Surface
+from batches.outcomes import Code
+from batches.worker.execute import batch_of, event_without_dispatch
+from usage.services import record_event
+
+log = logging.getLogger(__name__)
+
+
+def sweep() -> dict:
+    """Rescue expired leases, finish what nothing else will, expire OpenAI batches past their window,
+    re-send lost control messages, then top up wake-ups. Idempotent; any replica may run it."""
+    now = timezone.now()
+    stale = now - timezone.timedelta(seconds=settings.RELAY_BATCH_LEASE_SECONDS)
+    # Each step on its own: one that fails (a row held by a frozen process, a lock timeout) must
+    # not skip the others, least of all the wake-ups at the end.
+    rescued = _step("rescue", lambda: finish.rescue_expired_leases(now, _record_rescued))
+    discarded = _step("discard", lambda: finish.discard_lost_items(now, _record_lost))
+    _step("cancel orphans", stop.cancel_orphans)  # cancelled batches whose running items died
+    expired = _step("expire", lambda: stop.expire_due(now))
+    _step("lost validations", lambda: _redispatch_lost_validations(stale))
+    _step("unfinished batches", lambda: _finish_unfinished(stale))
+    woken = _step("wake", dispatch.wake_workers)
+    return {"rescued": rescued, "discarded": discarded, "expired": expired, "woken": woken}
+
+
+def _step(name: str, fn):
+    try:
+        return fn()
+    except Exception:
+        log.exception("sweep step %r failed; the next sweep retries it", name)
+        connection.close_if_unusable_or_obsolete()
+        return 0
+
+
+def _redispatch_lost_validations(stale) -> int:
+    # OpenAI batches validating since before `stale`: their message was lost (or its worker died).
+    lost = list(
+        Batch.objects.filter(surface=Surface.OPENAI, status=BatchStatus.VALIDATING, created_at__lt=stale).values_list(
+            "id", flat=True
+        )[:100]
+    )
+    for batch_id in lost:
+        dispatch.redispatch("validate_openai_batch", batch_id)
+    return len(lost)
+
+
+def _finish_unfinished(stale) -> int:
+    batches = stop.unfinished_batches()
+    for batch_id, surface, status, finalizing_at, cancelling_at in batches:
+        if surface == Surface.OPENAI and status in (BatchStatus.FINALIZING, BatchStatus.CANCELLING):
+            if (finalizing_at or cancelling_at) < stale:
+                dispatch.redispatch("finalize_openai_batch", batch_id)  # finalize's message was lost
+        else:
+            stop.complete_if_done(batch_id)
+    return len(batches)
+
+
+_LOST = "batch: the worker running this attempt was lost (its lease ran out)"
+
+
+def _lost_attempt(item_id, attempt: int, started_at, now, decision: str) -> Attempt:
+    started = started_at or now
+    return Attempt(
+        item_id=item_id,
+        number=attempt,
+        started_at=started,
+        finished_at=now,
+        duration_ms=max(0, int((now - started).total_seconds() * 1000)),
+        outcome=Code.WORKER_LOST,
+        decision=decision,
+        error=_LOST,
+    )
+
+
+def _record_rescued(rows: list) -> None:
+    now = timezone.now()
+    Attempt.objects.bulk_create(
+        [_lost_attempt(item_id, attempt, started_at, now, retrying.RETRY) for item_id, _, attempt, started_at in rows],
+        ignore_conflicts=True,  # the zombie may still write its own after rescue: first one wins
+    )
+
+
+def _record_lost(item_id, batch_id, attempt: int, started_at) -> None:
+    error = "batch: worker lost the item on every attempt"
+    record_event(**event_without_dispatch(batch_of(batch_id), item_id, Code.WORKER_LOST, error), fetch=False)
+    Attempt.objects.bulk_create(
+        [_lost_attempt(item_id, attempt, started_at, timezone.now(), retrying.FINISH)], ignore_conflicts=True
+    )
