@@ -1,11 +1,15 @@
 # The two commands of the README. Each does its own set-up.
-.PHONY: run test lint bench bench-quick manage flower
+.PHONY: run test test-fast lint bench bench-quick manage flower docs
 
 run:
 	@bash scripts/run.sh
 
 test:
 	@bash scripts/test.sh
+
+# The unit tier alone (no services, no database): seconds.
+test-fast:
+	@bash scripts/test.sh --fast
 
 lint:
 	@.venv/bin/ruff check . && .venv/bin/ruff format --check .
@@ -23,3 +27,8 @@ flower:
 
 bench-quick:
 	@BENCH_QUICK=1 bash scripts/bench.sh
+
+# The docs site (MkDocs + Material), strict: any warning fails. Output in site/ (git-ignored).
+docs:
+	@bash scripts/venv.sh requirements-dev.txt
+	@NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --site-dir site

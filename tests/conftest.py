@@ -3,6 +3,7 @@ upstream on loopback that speaks the providers' wire formats. Nothing of ours
 is mocked."""
 
 import os
+import re
 
 if not os.environ.get("DATABASE_URL", "").startswith("postgres"):
     raise RuntimeError("The suite runs against PostgreSQL: use `make test` (it sets DATABASE_URL).")
@@ -12,16 +13,228 @@ import pytest  # noqa: E402
 from relay.demo_upstream import DemoUpstream  # noqa: E402
 from tests import factories  # noqa: E402
 
+# --- parallel runs (pytest-xdist) ----------------------------------------------------------------------
+# Each xdist worker gets its own test database (pytest-django: test_<name>_gwN), its own Redis database
+# (REDIS_URL's number + N: the broker too, so no worker takes another's Celery tasks, and the flush
+# before each test empties only its own) and its own payload directory. They are set in the worker's
+# environment before it starts, so Django's settings read them, and every process a test starts
+# (Celery workers, gunicorn) inherits them. RELAY_TESTS_RUN_DIR is the run's own directory (the locks
+# and the groups below), removed at its end.
+
+
+def _shift_redis_db(url: str, n: int) -> str:
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    db = int(parts.path.strip("/") or 0) + n
+    return urlunsplit(parts._replace(path=f"/{db}"))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_setupnodes(config, specs):
+    import tempfile
+
+    import redis
+
+    base = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+    try:
+        databases = int(redis.Redis.from_url(base).config_get("databases")["databases"])
+    except Exception:
+        databases = 16
+    config._relay_run_dir = tempfile.mkdtemp(prefix="relay-tests-")
+    for spec in specs:
+        n = int(spec.id.removeprefix("gw"))
+        url = _shift_redis_db(base, n)
+        if int(url.rsplit("/", 1)[1]) >= databases:
+            raise pytest.UsageError(
+                f"{len(specs)} xdist workers need Redis databases past {databases - 1}: lower REDIS_URL's number"
+            )
+        spec.env["REDIS_URL"] = url
+        broker = os.environ.get("CELERY_BROKER_URL")
+        if broker and broker != base and broker.startswith("redis"):
+            spec.env["CELERY_BROKER_URL"] = _shift_redis_db(broker, n)
+        else:
+            spec.env["CELERY_BROKER_URL"] = url
+        if os.environ.get("RELAY_BATCH_PAYLOAD_DIR"):
+            spec.env["RELAY_BATCH_PAYLOAD_DIR"] = os.path.join(os.environ["RELAY_BATCH_PAYLOAD_DIR"], spec.id)
+            os.makedirs(spec.env["RELAY_BATCH_PAYLOAD_DIR"], exist_ok=True)
+        spec.env["RELAY_TESTS_RUN_DIR"] = config._relay_run_dir
+
+
+def pytest_unconfigure(config):
+    import shutil
+
+    if getattr(config, "_relay_run_dir", None):
+        shutil.rmtree(config._relay_run_dir, ignore_errors=True)
+
+
+# A test marked `alone` (it restarts PostgreSQL, which every worker uses) runs while no other xdist worker
+# runs a test: each test holds a shared lock, an `alone` test the exclusive one (a gate first, so the
+# shared holders cannot starve it). The others drop their connections to the restarted server after it.
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    import fcntl
+
+    where = os.environ.get("RELAY_TESTS_RUN_DIR")
+    if not where or not os.environ.get("PYTEST_XDIST_WORKER"):
+        yield
+        return
+    exclusive = alone(item)
+    with open(os.path.join(where, "gate"), "a+") as gate, open(os.path.join(where, "tests"), "a+") as tests:
+        fcntl.flock(gate, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        fcntl.flock(tests, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        if not exclusive:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        restarts = os.path.join(where, "restarts")
+        seen = os.path.getsize(restarts) if os.path.exists(restarts) else 0
+        if seen != getattr(item.config, "_relay_restarts_seen", 0):
+            from django.db import connections
+
+            connections.close_all()
+        item.config._relay_restarts_seen = seen
+        try:
+            yield
+        finally:
+            if exclusive:
+                with open(restarts, "a") as f:
+                    f.write("x")
+                item.config._relay_restarts_seen = os.path.getsize(restarts)
+
+
+def alone(item) -> bool:
+    return item.get_closest_marker("alone") is not None
+
+
+# --- tiers -----------------------------------------------------------------------------------------------
+# unit: no process, no database, no Redis (`make test-fast`); integration: the database, Redis, a live
+# server or items run in process; e2e: real processes (worker fleets, gunicorn, the launcher). A test's
+# tier is its module's or its own marker, else what its fixtures say.
+
+E2E_FIXTURES = {"worker", "workers", "web"}
+# Modules that start processes of their own (mkdocs, Chromium, the embedded launcher, gunicorn).
+E2E_MODULES = {"test_docs", "test_pages_browser", "test_leaks_web"}
+DB_FIXTURES = {"db", "transactional_db", "live_server", "django_db_setup", "catalog", "db_url"}
+TIERS = ("unit", "integration", "e2e")
+
+
+def _module_name(item) -> str:
+    module = getattr(item, "module", None)
+    return module.__name__.rsplit(".", 1)[-1] if module else ""
+
+
+def _tier(item) -> str:
+    return next((tier for tier in TIERS if item.get_closest_marker(tier)), "unit")
+
+
+# --- scheduling over xdist workers (`--dist loadgroup`, with the scheduler below) ----------------------
+# A module goes to one worker whole (its module-scoped worker fleet, web server or browser starts once),
+# except those whose tests each start their own fleet: their tests are spread one by one. The longest
+# work goes first, so that the long poles run while the rest fills the other workers. The longest test
+# of all goes with a few quick unit tests behind it: xdist hands a worker more work once it has 2 tests
+# or fewer pending (and a worker keeps its last test until more comes), so a lone long test would have
+# another module queued behind it on its worker. A test that must run alone goes first in that group:
+# every other worker waits while it runs, so it had better not wait for the longest test to end.
+SPREAD_MODULES = {"test_batch_real_world", "test_batch_durability"}
+LONG_POLE = "test_a_rate_limited_provider_is_paced_not_failed"
+# Seconds, measured: the tests far longer than their tier's usual (a tier's usual is TIER_SECONDS).
+LONG_TESTS = {
+    LONG_POLE: 105,  # 1,000 items at 10/s
+    "test_worker_killed_mid_batch_loses_nothing_and_never_reruns_completed_items": 13,
+    "test_redis_flushed_mid_batch_loses_nothing": 10,
+    "test_work_resumes_promptly_after_a_postgresql_restart": 10,
+    "test_a_worker_frozen_inside_its_finishing_transaction_stalls_nothing": 9,
+    "test_transient_failures_are_retried_and_hopeless_items_end_with_their_history": 9,
+    "test_a_call_with_a_cancel_is_watched_while_the_watchdog_sleeps_to_a_far_deadline": 6,
+}
+TIER_SECONDS = {"unit": 0.02, "integration": 0.1, "e2e": 2.0}
+
+
+POLE_TAIL = 5  # quick tests behind the longest one
+
+
+def _group(item) -> str:
+    mark = item.get_closest_marker("xdist_group")
+    if mark:
+        return str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+    module = _module_name(item)
+    if getattr(item, "originalname", item.name) == LONG_POLE or alone(item):
+        return "long-pole"
+    return item.nodeid if module in SPREAD_MODULES or not module else module
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_collection_modifyitems(config, items):
+    """Before the other plugins (pytest-django's ordering, `-m`): each test's tier. After them: whole
+    groups by their estimated time, longest first, each group's own order kept (pytest-django's: a
+    transactional test's reset leaves what `migrate` left, for whatever runs next)."""
+    for item in items:
+        if any(item.get_closest_marker(tier) for tier in TIERS):
+            continue
+        fixtures = set(item.fixturenames)
+        if fixtures & E2E_FIXTURES or _module_name(item) in E2E_MODULES:
+            item.add_marker(pytest.mark.e2e)
+        elif item.get_closest_marker("django_db") or fixtures & DB_FIXTURES:
+            item.add_marker(pytest.mark.integration)
+        else:
+            item.add_marker(pytest.mark.unit)
+    yield
+    groups = {item.nodeid: _group(item) for item in items}
+    if "long-pole" in groups.values():
+        quick = [i for i in items if _tier(i) == "unit" and getattr(i, "originalname", i.name) not in LONG_TESTS]
+        for item in quick[:POLE_TAIL]:
+            groups[item.nodeid] = "long-pole"
+    weight: dict = {}
+    for item in items:
+        name = getattr(item, "originalname", item.name)
+        weight[groups[item.nodeid]] = weight.get(groups[item.nodeid], 0) + LONG_TESTS.get(
+            name, TIER_SECONDS[_tier(item)]
+        )
+    first_seen: dict = {}
+    for i, item in enumerate(items):
+        first_seen.setdefault(groups[item.nodeid], i)
+    items.sort(key=lambda item: (-weight[groups[item.nodeid]], first_seen[groups[item.nodeid]], not alone(item)))
+    where = os.environ.get("RELAY_TESTS_RUN_DIR")
+    if where and os.environ.get("PYTEST_XDIST_WORKER"):  # for the scheduler, in the controller
+        import json
+
+        with open(os.path.join(where, f"groups.{os.getpid()}"), "w") as f:
+            json.dump(groups, f)
+        os.replace(os.path.join(where, f"groups.{os.getpid()}"), os.path.join(where, "groups.json"))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadgroup` by the groups above. xdist's own cannot tell groups under pytest 9 (it renames
+    `item._nodeid`, which pytest 9 no longer reads), so the scheduler reads the groups the workers wrote."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    import json
+
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        groups: dict | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.groups is None:
+                with open(os.path.join(config._relay_run_dir, "groups.json")) as f:
+                    self.groups = json.load(f)
+            return self.groups.get(nodeid, nodeid)
+
+    return GroupScheduling(config, log)
+
 
 @pytest.fixture(scope="session")
 def django_db_setup(django_db_setup):
     """pytest-django's, plus: a drain run in this process left the bookkeeper thread's connection open
-    (batches.services: kept up to CONN_MAX_AGE, as a worker keeps it); close it before the test
-    database is dropped."""
+    (batches.worker.bookkeeper: kept up to CONN_MAX_AGE, as a worker keeps it); close it before the
+    test database is dropped."""
     yield
-    from batches import services
+    from batches.worker import bookkeeper
 
-    services.close_bookkeeper()
+    bookkeeper.close_bookkeeper()
 
 
 @pytest.fixture(scope="session")
@@ -32,7 +245,10 @@ def upstream():
 
 
 @pytest.fixture(autouse=True)
-def _clean_redis():
+def _clean_redis(request):
+    if request.node.get_closest_marker("unit"):  # the unit tier does not touch Redis
+        yield
+        return
     from relay.redis import get_redis
 
     r = get_redis()
@@ -97,27 +313,112 @@ def catalog(db, fake):
     return factories.make_catalog(fake.url)
 
 
-def _retrying_fixture_teardown():
-    """Transactional tests end with TRUNCATE while a real worker process may still
-    be polling (claim, heartbeat, sweep). TRUNCATE's lock order can deadlock with
-    such a transaction, and PostgreSQL then aborts the TRUNCATE; retry it."""
+# --- resetting the database after a transactional test -----------------------------------------------
+# Django ends a transactional test with `flush`: TRUNCATE of every table, then post_migrate recreates
+# the content types and permissions (~0.2-0.3 s a test). Here only the tables the test wrote to are
+# emptied (DELETE, one transaction), and the tables that held rows right after migrate (content types,
+# permissions) and the domains' checks (post_migrate syncs them) are compared with their state before
+# the first transactional test: a test that changed one of them gets Django's full flush instead. So
+# each transactional test still starts from the database `migrate` left.
+
+
+class _Baseline:
+    """One database's state after set-up: its tables, the rows of those that had any, the domains' checks."""
+
+    def __init__(self, connection):
+        tables = sorted(connection.introspection.django_table_names(only_existing=True, include_views=False))
+        assert all(re.fullmatch(r"\w+", t) for t in tables), tables  # written into the SQL below as literals
+        with connection.cursor() as cursor:
+            cursor.execute(" UNION ALL ".join(f"SELECT '{t}' WHERE EXISTS (SELECT 1 FROM \"{t}\")" for t in tables))
+            self.seeded = {row[0] for row in cursor.fetchall()}
+        probes = [f"SELECT '{t}', NULL WHERE EXISTS (SELECT 1 FROM \"{t}\")" for t in tables if t not in self.seeded]
+        probes += [
+            f"SELECT '{t}', (SELECT md5(coalesce(string_agg(r::text, ',' ORDER BY r::text), '')) FROM \"{t}\" r)"
+            for t in sorted(self.seeded)
+        ]
+        probes.append(
+            "SELECT ' domains', (SELECT md5(coalesce(string_agg(conname || pg_get_constraintdef(oid), ','"
+            " ORDER BY conname), '')) FROM pg_constraint WHERE contypid <> 0)"
+        )
+        self.sql = " UNION ALL ".join(probes)
+        self.fingerprints = {}
+        self.fingerprints = self.probe(connection)[1]
+
+    def probe(self, connection) -> tuple[list[str], dict]:
+        """(tables written to since set-up, fingerprints of the seeded tables and the domains)."""
+        with connection.cursor() as cursor:
+            cursor.execute(self.sql)
+            rows = cursor.fetchall()
+        return [t for t, digest in rows if digest is None], {t: d for t, d in rows if d is not None}
+
+    def reset(self, connection) -> bool:
+        """Empty what the test wrote; False (nothing done) when it changed what set-up left."""
+        from django.db import transaction
+
+        with transaction.atomic(using=connection.alias):
+            written, fingerprints = self.probe(connection)
+            if fingerprints != self.fingerprints:
+                return False
+            if written:
+                with connection.cursor() as cursor:
+                    # Django's foreign keys are deferrable: checked at commit, when every table is empty.
+                    cursor.execute("SET CONSTRAINTS ALL DEFERRED")
+                    cursor.execute("; ".join(f'DELETE FROM "{t}"' for t in written))
+        return True
+
+
+_baselines: dict = {}
+
+
+def _fast_transactional_reset():
+    """Transactional tests end with their tables emptied while a real worker process may still be
+    polling (claim, heartbeat, sweep); a deadlock with such a transaction makes PostgreSQL abort the
+    reset: it is retried."""
     import time
 
     from django.core.management.base import CommandError
+    from django.db import DatabaseError, InterfaceError, connections
     from django.test.testcases import TransactionTestCase
 
-    original = TransactionTestCase._fixture_teardown
+    original_setup = TransactionTestCase._fixture_setup.__func__  # a classmethod
+    original_teardown = TransactionTestCase._fixture_teardown
 
-    def teardown(self):
-        for attempt in range(5):
+    def plain(self) -> bool:
+        return self.available_apps is None and not self.serialized_rollback and not self.reset_sequences
+
+    def fixture_setup(self):
+        if plain(self):
+            for name in self._databases_names(include_mirrors=False):
+                connection = connections[name]
+                if connection.vendor == "postgresql" and connection.settings_dict["NAME"] not in _baselines:
+                    _baselines[connection.settings_dict["NAME"]] = _Baseline(connection)
+        return original_setup(self)
+
+    def retrying(step):
+        deadline = time.monotonic() + 30
+        while True:
             try:
-                return original(self)
-            except CommandError:
-                if attempt == 4:
+                return step()
+            except (CommandError, DatabaseError, InterfaceError):
+                if time.monotonic() > deadline:
                     raise
-                time.sleep(0.5)
+                for connection in connections.all(initialized_only=True):
+                    connection.close_if_unusable_or_obsolete()  # a broken one (PostgreSQL restarted) reconnects
+                time.sleep(0.1)
 
-    TransactionTestCase._fixture_teardown = teardown
+    def fixture_teardown(self):
+        if not plain(self):
+            return retrying(lambda: original_teardown(self))
+        for name in self._databases_names(include_mirrors=False):
+            connection = connections[name]
+            baseline = _baselines.get(connection.settings_dict["NAME"])
+            if baseline is None or not retrying(lambda c=connection, b=baseline: b.reset(c)):
+                # Not seen at set-up, or set-up's rows changed: Django's flush, and a new baseline.
+                retrying(lambda: original_teardown(self))
+                _baselines.pop(connection.settings_dict["NAME"], None)
+
+    TransactionTestCase._fixture_setup = classmethod(fixture_setup)
+    TransactionTestCase._fixture_teardown = fixture_teardown
 
 
-_retrying_fixture_teardown()
+_fast_transactional_reset()

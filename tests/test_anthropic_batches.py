@@ -8,8 +8,8 @@ from datetime import timedelta
 import anthropic
 import pytest
 
-from batches import anthropic_batches
 from batches.models import Batch, Item
+from batches.surfaces.anthropic import read as anthropic_read
 from relay.demo_upstream import Reply
 from relay.services import create_relay_key
 from tests.workers import wait_for
@@ -95,7 +95,7 @@ def test_sdk_create_retrieve_list_results_cancel_delete(client, catalog, fake, l
     fake.script("upstream-anthropic-0", [Reply(gate=gate) for _ in range(3)])
     try:
         held = client.messages.batches.create(requests=[req(f"h-{i}") for i in range(3)])
-        held_pk = anthropic_batches.parse_id(held.id)
+        held_pk = anthropic_read.parse_id(held.id)
         wait_for(lambda: Item.objects.filter(batch_id=held_pk, state="running").count() == 3, 20, what="3 running")
         with pytest.raises(anthropic.BadRequestError) as exc:
             client.messages.batches.delete(held.id)  # only an ended batch can be deleted

@@ -1,6 +1,7 @@
 """The Anthropic surface step by step, in process (no worker): create checks, errors in Anthropic's envelope,
 ownership, items that wait and retry, expiry, cancel, delete, and what operators see. Items run through the real
-pipeline against the fake upstream (services.claim/run_item, services.sweep, as the Celery tasks call them)."""
+pipeline against the fake upstream (lifecycle.claim, worker.execute.run_item, sweeper.sweep, as the
+Celery tasks call them)."""
 
 import io
 import json
@@ -10,8 +11,13 @@ import pytest
 from django.test import Client, override_settings
 from django.utils import timezone
 
-from batches import anthropic_batches, ingest, services
+from batches import ingest, sweeper
+from batches.lifecycle import claim as claims
+from batches.lifecycle import states, stop
 from batches.models import Batch, Item
+from batches.surfaces.anthropic import create as anthropic_create
+from batches.surfaces.anthropic import read as anthropic_read
+from batches.worker import execute
 from policies.models import Policy
 from relay import auth
 from relay.demo_upstream import Reply
@@ -105,21 +111,21 @@ def test_ids_belong_to_their_surface(catalog):
 def create(catalog, requests, key=None):
     principal = auth.principal_for_key(key or catalog.key)
     with ingest.read_submission(io.BytesIO(json.dumps({"requests": requests}).encode()), 10**8, 50_000) as sub:
-        return anthropic_batches.create(principal, sub)
+        return anthropic_create.create(principal, sub)
 
 
 def run_all():
-    while (item := services.claim("test-runner")) is not None:
-        services.run_item(item)
+    while (item := claims.claim("test-runner")) is not None:
+        execute.run_item(item)
 
 
 def shown(batch) -> dict:
-    return anthropic_batches.serialize(anthropic_batches.shown(batch.pk), "http://relay/v1/messages/batches/")
+    return anthropic_read.serialize(anthropic_read.shown(batch.pk), "http://relay/v1/messages/batches/")
 
 
 def lines(batch) -> dict:
     b = Batch.objects.get(pk=batch.pk)
-    return {line["custom_id"]: line["result"] for line in map(json.loads, anthropic_batches.iter_results(b))}
+    return {line["custom_id"]: line["result"] for line in map(json.loads, anthropic_read.iter_results(b))}
 
 
 @runs_items
@@ -165,26 +171,26 @@ def test_relay_side_failures_are_errored_with_anthropic_types(catalog, fake):
 @runs_items
 def test_expiry_keeps_what_finished_and_expires_the_rest(catalog, fake):
     batch = create(catalog, [req(f"r{i}") for i in range(3)])
-    services.run_item(services.claim("test-runner"))
+    execute.run_item(claims.claim("test-runner"))
     Batch.objects.filter(pk=batch.pk).update(expires_at=timezone.now() - timedelta(seconds=1))
-    assert services.sweep()["expired"] == 1
+    assert sweeper.sweep()["expired"] == 1
     b = Batch.objects.get(pk=batch.pk)
     assert b.status == "expired" and b.expired_at and b.completed_at  # nothing was running: it ends at once
     assert shown(b)["processing_status"] == "ended"
     assert shown(b)["request_counts"] == {"processing": 0, "succeeded": 1, "errored": 0, "canceled": 0, "expired": 2}
     assert sorted(r["type"] for r in lines(b).values()) == ["expired", "expired", "succeeded"]
-    assert services.sweep()["expired"] == 0
+    assert sweeper.sweep()["expired"] == 0
 
 
 @runs_items
 def test_cancel_ends_at_once_when_nothing_runs_and_delete_removes_the_rows(catalog):
     batch = create(catalog, [req("a"), req("b")])
-    assert services.cancel(Batch.objects.get(pk=batch.pk)) is True
+    assert stop.cancel(Batch.objects.get(pk=batch.pk)) is True
     b = Batch.objects.get(pk=batch.pk)
     assert b.status == "cancelled" and b.cancelling_at and b.completed_at
     assert shown(b)["request_counts"]["canceled"] == 2 and shown(b)["cancel_initiated_at"]
     assert {r["type"] for r in lines(b).values()} == {"canceled"}
-    anthropic_batches.delete(b)
+    anthropic_read.delete(b)
     assert not Batch.objects.filter(pk=b.pk).exists() and not Item.objects.filter(batch_id=b.pk).exists()
 
 
@@ -192,7 +198,7 @@ def test_cancel_ends_at_once_when_nothing_runs_and_delete_removes_the_rows(catal
 def test_sweeper_ends_an_anthropic_batch_whose_completion_check_was_missed(catalog):
     batch = create(catalog, [req("a")])
     Item.objects.filter(batch_id=batch.pk).update(state="completed", finished_at=timezone.now())  # a crash after
-    services.sweep()
+    sweeper.sweep()
     assert Batch.objects.get(pk=batch.pk).status == "completed"
 
 
@@ -226,13 +232,12 @@ def test_admin_and_usage_api_show_the_surface(catalog, fake, django_user_model, 
 def test_the_transition_table_and_constraints_speak_the_anthropic_vocabulary(catalog):
     from django.db import IntegrityError, transaction
 
-    from batches import lifecycle
     from batches.models import ANTHROPIC_STATUSES
 
-    table = lifecycle.TRANSITIONS["anthropic"]
+    table = states.TRANSITIONS["anthropic"]
     assert set(table) == set(ANTHROPIC_STATUSES) and all(t <= set(ANTHROPIC_STATUSES) for t in table.values())
-    with pytest.raises(lifecycle.IllegalTransition):
-        lifecycle.sources("anthropic", "finalizing")
+    with pytest.raises(states.IllegalTransition):
+        states.sources("anthropic", "finalizing")
     batch = create(catalog, [req("a")])
     for status, fields in (("validating", {}), ("completed", {}), ("expired", {"completed_at": timezone.now()})):
         with pytest.raises(IntegrityError), transaction.atomic():  # a tested escape of lifecycle, to hit the CHECKs

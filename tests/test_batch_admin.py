@@ -7,8 +7,9 @@ import pytest
 from django.urls import reverse
 from django.utils import timezone
 
-from batches import services, storage
+from batches import storage
 from batches.models import Batch, Item
+from batches.surfaces.native import submit
 from relay import auth
 
 pytestmark = pytest.mark.django_db
@@ -27,7 +28,7 @@ def batch(catalog):
         "shape": "openai",
         "requests": [{"model": "gpt-4o", "messages": [{"role": "user", "content": f"q{i}"}]} for i in range(3)],
     }
-    b = services.submit_native(principal, io.BytesIO(json.dumps(body).encode()))
+    b = submit.submit_native(principal, io.BytesIO(json.dumps(body).encode()))
     first = Item.objects.get(batch=b, idx=0)
     ref = storage.write_result(str(b.id), str(first.id), b'{"id": "chatcmpl-x", "answer": "forty-two"}')
     Item.objects.filter(pk=first.pk).update(state="completed", result_ref=ref, finished_at=timezone.now())

@@ -24,12 +24,15 @@ import pytest
 from django.db import connection, transaction
 from django.utils import timezone
 
-from batches import ingest, openai_batches, services
+from batches import ingest
+from batches.lifecycle import stop
 from batches.models import Attempt, Batch, Item
+from batches.surfaces.native import submit
+from batches.surfaces.openai import create as openai_create
 from policies.models import PolicyHostKey
 from relay import auth
 from relay.demo_upstream import Reply
-from tests.workers import wait_for
+from tests.workers import broker_idle, wait_for
 from usage.models import UsageEvent
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -51,7 +54,7 @@ def openai_batch(catalog, contents) -> Batch:
     ]
     body = {"endpoint": CHAT, "completion_window": "24h", "requests": records}
     with ingest.read_submission(io.BytesIO(json.dumps(body).encode()), 10**8, 50_000) as submission:
-        return openai_batches.create(principal, submission)
+        return openai_create.create(principal, submission)
 
 
 def native_batch(catalog, n, content="hello") -> Batch:
@@ -60,7 +63,7 @@ def native_batch(catalog, n, content="hello") -> Batch:
         "shape": "openai",
         "requests": [{"model": "gpt-4o", "messages": [{"role": "user", "content": content}]}] * n,
     }
-    return services.submit_native(principal, io.BytesIO(json.dumps(body).encode()))
+    return submit.submit_native(principal, io.BytesIO(json.dumps(body).encode()))
 
 
 def status(batch) -> str:
@@ -164,6 +167,17 @@ def _blocked_sessions() -> int:
         return cursor.fetchone()[0]
 
 
+def _busy_sessions() -> int:
+    """Other clients' sessions in the test database that run a statement or hold a transaction open."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_stat_clear_snapshot()")
+        cursor.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            " AND backend_type = 'client backend' AND state <> 'idle'"
+        )
+        return cursor.fetchone()[0]
+
+
 def test_a_worker_frozen_inside_its_finishing_transaction_stalls_nothing(workers, catalog, fake):
     frozen = workers("frozen", extra_env={"RELAY_DB_IDLE_IN_TRANSACTION_TIMEOUT_MS": "8000"})
     first = native_batch(catalog, 1, content="<first>")
@@ -185,7 +199,9 @@ def test_a_worker_frozen_inside_its_finishing_transaction_stalls_nothing(workers
         wait_for(lambda: Batch.objects.get(pk=first.pk).completed_at, 60, what="the frozen item")
     finally:
         frozen.signal(signal.SIGCONT)
-    time.sleep(3)  # the thawed worker retries its dead transaction: fenced out, it writes nothing
+    # The thawed worker retries its dead transaction: fenced out, it writes nothing. Its task has ended when
+    # it leaves the broker (tasks are acknowledged late) and no session is busy any more.
+    wait_for(lambda: broker_idle() and _busy_sessions() == 0, 30, what="the thawed worker's task to end")
     assert second.alive(), second.output()
     assert Item.objects.get(pk=item.pk).state == "completed"
     assert UsageEvent.objects.filter(request_id=str(item.pk)).count() == 1
@@ -200,6 +216,7 @@ def _pg_cluster() -> tuple[str, str] | None:
 
 
 @pytest.mark.skipif(_pg_cluster() is None, reason="needs root and the machine's own PostgreSQL cluster to restart")
+@pytest.mark.alone  # every xdist worker's database goes down with the server
 def test_work_resumes_promptly_after_a_postgresql_restart(workers, catalog, fake):
     # A production-length lease: stalling until it runs out would show as a timeout below.
     w = workers("pg-restart", extra_env={"RELAY_BATCH_LEASE_SECONDS": "60"})
@@ -237,7 +254,7 @@ def test_cancel_closes_the_running_calls_and_never_exceeds_8_per_worker(workers,
     fake.answer_when("<held>", Reply(hang=True))
     first = native_batch(catalog, 12, content="<held>")
     wait_for(lambda: fake.in_flight == 8, 30, what="8 held calls")
-    services.cancel(Batch.objects.get(pk=first.pk))
+    stop.cancel(Batch.objects.get(pk=first.pk))
     cancelled = time.monotonic()
     wait_for(lambda: fake.in_flight == 0, 10, interval=0.05, what="the provider to see every call closed")
     print(f"\n8 running calls closed {time.monotonic() - cancelled:.1f} s after the cancel")
@@ -247,7 +264,7 @@ def test_cancel_closes_the_running_calls_and_never_exceeds_8_per_worker(workers,
     second = native_batch(catalog, 10, content="<held>")
     wait_for(lambda: fake.in_flight == 8, 30, what="the next batch's calls")
     assert fake.max_in_flight <= 8
-    services.cancel(Batch.objects.get(pk=second.pk))
+    stop.cancel(Batch.objects.get(pk=second.pk))
     wait_for(lambda: fake.in_flight == 0, 10, interval=0.05, what="the second batch's calls closed")
     assert w.alive(), w.output()
     assert not UsageEvent.objects.filter(batch_id=str(first.pk), status=200).exists()
@@ -269,6 +286,6 @@ def test_an_item_worker_runs_its_8_slots_as_threads_of_one_process(workers, cata
     log = Path(w.logs["worker"].name).read_text(errors="replace")
     assert log.count("worker process warmed up in") == 1, log[-3000:]
     assert "(failed:" not in log and log.index("warmed up") < log.index("ready."), log[-3000:]
-    services.cancel(Batch.objects.get(pk=batch.pk))
+    stop.cancel(Batch.objects.get(pk=batch.pk))
     wait_for(lambda: Batch.objects.get(pk=batch.pk).completed_at, 10, what="the cancelled batch")
     assert w.alive(), w.output()

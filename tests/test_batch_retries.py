@@ -13,9 +13,16 @@ import pytest
 from django.test import override_settings
 from django.utils import timezone
 
-from batches import ingest, lifecycle, openai_batches, retrying, services, validation
+from batches import ingest, retrying, sweeper
+from batches.lifecycle import claim as claims
+from batches.lifecycle import finish as finishing
+from batches.lifecycle import states, stop
 from batches.models import Attempt, Batch, Item
 from batches.outcomes import Code
+from batches.surfaces.native import submit
+from batches.surfaces.openai import create as openai_create
+from batches.surfaces.openai import validation
+from batches.worker import execute
 from relay import auth
 from relay.demo_upstream import Reply
 from relay.errors import RelayError
@@ -38,7 +45,7 @@ def openai_batch(catalog, n=1, content="hello"):
     records = [{"custom_id": f"r{i}", "method": "POST", "url": CHAT, "body": chat(f"{content} {i}")} for i in range(n)]
     body = {"endpoint": CHAT, "completion_window": "24h", "requests": records}
     with ingest.read_submission(io.BytesIO(json.dumps(body).encode()), 10**7, 1000) as submission:
-        batch = openai_batches.create(principal, submission)
+        batch = openai_create.create(principal, submission)
     validation.validate(batch.id)
     return Batch.objects.get(pk=batch.pk)
 
@@ -48,13 +55,13 @@ def native_batch(catalog, n=1, retry=None, content="hello"):
     body = {"shape": "openai", "requests": [chat(f"{content} {i}") for i in range(n)]}
     if retry is not None:
         body["retry"] = retry
-    return services.submit_native(principal, io.BytesIO(json.dumps(body).encode()))
+    return submit.submit_native(principal, io.BytesIO(json.dumps(body).encode()))
 
 
 def run_next(owner="step-runner"):
-    item = services.claim(owner)
+    item = claims.claim(owner)
     assert item is not None, "nothing claimable"
-    services.run_item(item)
+    execute.run_item(item)
     return Item.objects.get(pk=item.pk)
 
 
@@ -156,7 +163,7 @@ def test_an_upstream_429_waits_without_using_an_attempt_and_pauses_the_batch(cat
     assert 5 < wait <= 7
     paused = Batch.objects.get(pk=b.pk).not_before
     assert paused == item.not_before
-    assert services.claim("other") is None  # the whole batch waits: its capacity is shared
+    assert claims.claim("other") is None  # the whole batch waits: its capacity is shared
     attempt = Attempt.objects.get(item=item)
     assert (attempt.decision, attempt.status_code) == ("wait", 429)
     make_due(item)
@@ -260,19 +267,19 @@ def expire_lease(item_id):
 
 def test_sweeper_rescues_an_expired_lease_and_a_zombie_finish_is_refused(catalog, fake):
     native_batch(catalog)
-    zombie = services.claim("zombie")
+    zombie = claims.claim("zombie")
     expire_lease(zombie.pk)
-    assert services.sweep()["rescued"] == 1
+    assert sweeper.sweep()["rescued"] == 1
     rescued = Item.objects.get(pk=zombie.pk)
     assert rescued.state == "available" and rescued.retries == 1 and rescued.lease_owner == ""
     lost = Attempt.objects.get(item=rescued)
     assert (lost.outcome, lost.decision, lost.number) == (Code.WORKER_LOST, "retry", 1)
-    rescuer = services.claim("rescuer")
+    rescuer = claims.claim("rescuer")
     assert rescuer.pk == zombie.pk and rescuer.attempt == 2
-    services.run_item(zombie)  # the zombie wakes up and finishes: fenced out, nothing written
+    execute.run_item(zombie)  # the zombie wakes up and finishes: fenced out, nothing written
     assert Item.objects.get(pk=zombie.pk).state == "running"
     assert not UsageEvent.objects.filter(request_id=str(zombie.pk)).exists()
-    services.run_item(rescuer)
+    execute.run_item(rescuer)
     done = Item.objects.get(pk=zombie.pk)
     assert done.state == "completed" and UsageEvent.objects.filter(request_id=str(done.pk)).count() == 1
     assert list(Attempt.objects.filter(item=done).order_by("number").values_list("number", "decision")) == [
@@ -284,9 +291,9 @@ def test_sweeper_rescues_an_expired_lease_and_a_zombie_finish_is_refused(catalog
 def test_the_last_attempt_lost_is_discarded_with_its_event(catalog, fake):
     b = native_batch(catalog)
     for n in range(3):  # max_attempts 3: two rescues, then the third loss discards it
-        item = services.claim(f"lost-{n}")
+        item = claims.claim(f"lost-{n}")
         expire_lease(item.pk)
-        services.sweep()
+        sweeper.sweep()
     item = Item.objects.get(pk=item.pk)
     assert item.state == "discarded" and item.error_code == Code.WORKER_LOST
     assert item.error == "batch: worker lost the item on every attempt"
@@ -299,32 +306,32 @@ def test_the_last_attempt_lost_is_discarded_with_its_event(catalog, fake):
 
 def test_cancel_of_a_native_batch_cancels_pending_items_at_once(catalog, fake):
     b = native_batch(catalog, n=3)
-    running = services.claim("r")
-    services.cancel(Batch.objects.get(pk=b.pk))
+    running = claims.claim("r")
+    stop.cancel(Batch.objects.get(pk=b.pk))
     b.refresh_from_db()
     assert b.status == "cancelled" and b.completed_at is None  # one item still running
     assert sorted(Item.objects.filter(batch=b).values_list("state", flat=True)) == ["cancelled", "cancelled", "running"]
-    services.run_item(running)  # it stops at its heartbeat or finishes; either way the batch is then done
+    execute.run_item(running)  # it stops at its heartbeat or finishes; either way the batch is then done
     b.refresh_from_db()
     assert b.completed_at is not None
 
 
 def test_transitions_outside_the_table_are_refused(catalog):
     b = native_batch(catalog)
-    with pytest.raises(lifecycle.IllegalTransition):
-        lifecycle.move(b.pk, "native", "finalizing")
-    with pytest.raises(lifecycle.IllegalTransition):
-        lifecycle.move(b.pk, "openai", "in_progress", frm=["completed"])
+    with pytest.raises(states.IllegalTransition):
+        states.move(b.pk, "native", "finalizing")
+    with pytest.raises(states.IllegalTransition):
+        states.move(b.pk, "openai", "in_progress", frm=["completed"])
 
 
 def test_discarding_lost_items_never_takes_one_with_attempts_left(catalog, fake):
     """Even when the rescue step passed a row over (held by a frozen process, or past its page)."""
     native_batch(catalog)
-    item = services.claim("lost-once")
+    item = claims.claim("lost-once")
     expire_lease(item.pk)
-    assert lifecycle.discard_lost_items(timezone.now(), lambda *row: None) == 0
+    assert finishing.discard_lost_items(timezone.now(), lambda *row: None) == 0
     assert Item.objects.get(pk=item.pk).state == "running"  # the next rescue gives it back
-    assert services.sweep()["rescued"] == 1
+    assert sweeper.sweep()["rescued"] == 1
 
 
 def test_a_batch_cancelled_while_validating_is_finalized_even_if_the_message_is_lost(catalog):
@@ -332,11 +339,11 @@ def test_a_batch_cancelled_while_validating_is_finalized_even_if_the_message_is_
     records = [{"custom_id": "a", "method": "POST", "url": CHAT, "body": chat()}]
     body = {"endpoint": CHAT, "completion_window": "24h", "requests": records}
     with ingest.read_submission(io.BytesIO(json.dumps(body).encode()), 10**7, 10) as submission:
-        batch = openai_batches.create(principal, submission)
-    assert services.cancel(batch)
+        batch = openai_create.create(principal, submission)
+    assert stop.cancel(batch)
     get_redis().delete("control")  # the finalize message is lost
     Batch.objects.filter(pk=batch.pk).update(cancelling_at=timezone.now() - timedelta(minutes=5))
-    services.sweep()
+    sweeper.sweep()
     queued = [json.loads(m)["headers"]["task"] for m in get_redis().lrange("control", 0, -1)]
     assert "batches.tasks.finalize_openai_batch" in queued
 
@@ -344,7 +351,7 @@ def test_a_batch_cancelled_while_validating_is_finalized_even_if_the_message_is_
 def test_an_item_released_after_its_batch_was_cancelled_is_cancelled_at_once(catalog, fake):
     b = openai_batch(catalog)
     fake.script("*", [Reply(status=500)])
-    item = services.claim("r")
+    item = claims.claim("r")
     Batch.objects.filter(pk=b.pk).update(cancel_requested_at=timezone.now())  # a cancel lands mid-attempt
-    services.run_item(item)  # the attempt fails transiently; instead of a retry, the item is cancelled
+    execute.run_item(item)  # the attempt fails transiently; instead of a retry, the item is cancelled
     assert Item.objects.get(pk=item.pk).state == "cancelled"

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from batches import services
+from batches.surfaces.native import submit
 from relay import auth
 
 pytestmark = pytest.mark.django_db
@@ -15,7 +15,7 @@ def test_status_of_a_batch_larger_than_one_chunk(client, catalog):
     principal = auth.principal_for_key(catalog.key)
     n = 5003  # the items list is streamed 5,000 at a time
     body = {"shape": "openai", "requests": [{"model": "gpt-4o", "messages": []}] * n}
-    batch = services.submit_native(principal, io.BytesIO(json.dumps(body).encode()))
+    batch = submit.submit_native(principal, io.BytesIO(json.dumps(body).encode()))
     resp = client.get(f"/v1/batches/{batch.id}", headers={"Authorization": f"Bearer {catalog.key}"})
     assert resp.status_code == 200 and resp["Content-Type"] == "application/json"
     status = json.loads(b"".join(resp.streaming_content))

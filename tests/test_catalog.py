@@ -5,7 +5,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -13,10 +12,11 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
 from policies.models import Policy, PolicyHostKey, RateLimit, RateLimitRule
-from relay import routing
+from relay import generation, routing
 from relay.errors import RelayError
 from relay.models import HostBinding, HostKey, LLMModel, Pricing, RelayKey
 from tests import factories
+from tests.workers import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -121,7 +121,7 @@ _CHILD = r"""
 import json, os, sys
 import django
 django.setup()
-from relay import routing
+from relay import generation, routing
 from relay.errors import RelayError
 for line in sys.stdin:
     pid = int(line)
@@ -182,13 +182,13 @@ def test_without_redis_nothing_is_cached_and_a_lost_bump_is_retried(catalog, set
         # Reads go to the database, and a write's bump cannot reach Redis.
         HostBinding.objects.filter(model__name="gpt-4o").update(upstream_name="during-outage")
         assert route_of(catalog.policy.id).binding.upstream_name == "during-outage"
-        assert cache._local_cache.bump_pending
+        assert generation.bump_pending()
     finally:
         settings.REDIS_URL = good_url
     assert get_redis().get(cache.GEN_KEY) == before  # the bump was lost …
     cache._local_cache.current()  # … and is made by this process's next request
     assert get_redis().get(cache.GEN_KEY) != before
-    assert not cache._local_cache.bump_pending
+    assert not generation.bump_pending()
 
 
 # --- the pipeline: routed with the held snapshot, confirmed by the key pick ----------------------
@@ -278,9 +278,11 @@ def test_a_cached_key_still_expires_on_time(client, catalog):
 
     from django.utils import timezone
 
-    RelayKey.objects.filter(pk=catalog.key_obj.pk).update(expires_at=timezone.now() + timedelta(seconds=1))
+    expires_at = timezone.now() + timedelta(seconds=1)
+    RelayKey.objects.filter(pk=catalog.key_obj.pk).update(expires_at=expires_at)
     assert _chat(client, catalog).status_code == 200
-    time.sleep(1.1)  # no write: only the clock moved
+    # No write: only the clock moves, past the expiry.
+    wait_for(lambda: timezone.now() > expires_at + timedelta(seconds=0.1), 5, interval=0.05, what="the expiry")
     resp = _chat(client, catalog)
     assert resp.status_code == 401 and resp.json()["error"]["message"] == "api key expired"
 
@@ -298,20 +300,21 @@ def test_a_key_enabled_again_elsewhere_is_accepted_at_the_next_live_request(clie
 def _batch_items(catalog, n):
     import io
 
-    from batches import services as batch_services
+    from batches.surfaces.native import submit
     from relay import auth
 
     body = {"shape": "openai", "requests": [{"model": "gpt-4o", "messages": []}] * n}
     principal = auth.principal_for_key(catalog.key)
-    return batch_services.submit_native(principal, io.BytesIO(json.dumps(body).encode()))
+    return submit.submit_native(principal, io.BytesIO(json.dumps(body).encode()))
 
 
 def _run_next():
-    from batches import services as batch_services
+    from batches.lifecycle import claim as batch_claims
     from batches.models import Item
+    from batches.worker import execute as batch_execute
 
-    item = batch_services.claim("test")
-    batch_services.run_item(item)
+    item = batch_claims.claim("test")
+    batch_execute.run_item(item)
     return Item.objects.get(pk=item.pk)
 
 

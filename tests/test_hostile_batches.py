@@ -1,7 +1,7 @@
 """Batches on hostile input (issue 12): never stuck in validating, never a crashed item, no key echo
 in results, `openrelay` never forwarded, honest cancel answers, no filesystem path in messages.
 
-Items run in process through batches.services.drain (the worker's own code path)."""
+Items run in process through batches.draining.drain (the worker's own code path)."""
 
 import json
 
@@ -9,8 +9,10 @@ import pytest
 from django.conf import settings
 from django.test import Client
 
-from batches import services, storage, validation
+from batches import storage
 from batches.models import Batch, File
+from batches.surfaces.openai import validation
+from batches.worker import drain as draining
 from relay.demo_upstream import Reply
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -100,7 +102,7 @@ def test_host_key_echoed_by_the_provider_never_reaches_batch_results(api, fake):
         fake.script(key, [Reply(status=401, body=body)])
     resp = api.post("/v1/batches", {"shape": "openai", "requests": [{"model": "gpt-4o", "messages": []}]})
     assert resp.status_code == 202, resp.content
-    services.drain(max_items=5, max_seconds=60)
+    draining.drain(max_items=5, max_seconds=60)
     results = b"".join(api.get(f"/v1/batches/{resp.json()['id']}/results").streaming_content).decode()
     assert "401" in results
     assert not any(k in results for k in KEYS), results
@@ -117,7 +119,7 @@ def test_openrelay_of_a_native_item_never_reaches_the_provider(api, fake):
     }
     resp = api.post("/v1/batches", {"shape": "openai", "requests": [item]})
     assert resp.status_code == 202, resp.content
-    services.drain(max_items=5, max_seconds=60)
+    draining.drain(max_items=5, max_seconds=60)
     assert fake.received, "the item ran"
     assert all("openrelay" not in r["body"] for r in fake.received)
 
@@ -125,7 +127,7 @@ def test_openrelay_of_a_native_item_never_reaches_the_provider(api, fake):
 def test_native_cancel_of_a_finished_batch_answers_its_real_status(api, fake):
     resp = api.post("/v1/batches", {"shape": "openai", "requests": [{"model": "gpt-4o", "messages": []}]})
     batch_id = resp.json()["id"]
-    services.drain(max_items=5, max_seconds=60)
+    draining.drain(max_items=5, max_seconds=60)
     assert Batch.objects.get(pk=batch_id).status == "completed"
     resp = api.post(f"/v1/batches/{batch_id}/cancel", b"")
     assert resp.status_code == 200 and resp.json() == {"status": "completed"}

@@ -9,6 +9,8 @@ import pytest
 from policies import keypool
 from relay.redis import get_redis
 
+pytestmark = pytest.mark.integration  # Redis
+
 
 @dataclass(frozen=True)
 class Cand:

@@ -9,6 +9,8 @@ from policies import lua
 from relay.redis import get_redis
 from tests.test_query_counts import redis_round_trips
 
+pytestmark = pytest.mark.integration  # Redis
+
 INCR = "return redis.call('INCRBY', KEYS[1], ARGV[1])"
 GET = "return redis.call('GET', KEYS[1])"
 FAIL = "return redis.error_reply('boom')"

@@ -9,8 +9,10 @@ from django.conf import settings
 from django.test import Client
 from prometheus_client.parser import text_string_to_metric_families
 
-from batches import ingest, services
-from batches.openai_batches import _broker
+from batches import dispatch, ingest
+from batches.lifecycle import claim as claims
+from batches.surfaces.native import submit
+from batches.worker import execute
 from policies import breaker
 from policies.models import Policy
 from relay import auth
@@ -49,9 +51,9 @@ def test_metrics_after_a_batch_runs(catalog, fake):
         "requests": [{"model": "gpt-4o", "messages": [{"role": "user", "content": f"q{i}"}]} for i in range(3)],
     }
     with ingest.read_submission(io.BytesIO(json.dumps(body).encode()), 10**8, 50_000) as submission:
-        batch = services.store_native(principal, submission)
-    while (item := services.claim("metrics-test:1:1")) is not None:
-        services.run_item(item)
+        batch = submit.store_native(principal, submission)
+    while (item := claims.claim("metrics-test:1:1")) is not None:
+        execute.run_item(item)
     batch.refresh_from_db()
     assert batch.status == "completed"
 
@@ -72,9 +74,10 @@ def test_metrics_after_a_batch_runs(catalog, fake):
     assert value(samples, "relay_batch_items", state="completed") == 3
     assert value(samples, "relay_batch_items", state="running") == 0
     assert value(samples, "relay_batches", surface="native", status="completed") == 1
-    depth = _broker(settings.CELERY_BROKER_URL).llen("batch")  # wake-ups no worker took (none runs here)
+    depth = dispatch.queue_length(dispatch.ITEM_QUEUE)  # wake-ups no worker took (none runs here)
     assert value(samples, "relay_queue_depth", queue="batch") == depth
     assert value(samples, "relay_queue_depth", queue="default") == 0
+    assert value(samples, "relay_queue_depth", queue="control") == dispatch.queue_length(dispatch.CONTROL_QUEUE)
 
     assert value(samples, "relay_item_run_seconds_count", state="completed") == 3
     assert value(samples, "relay_item_run_seconds_bucket", state="completed", le="+Inf") == 3
@@ -106,7 +109,7 @@ def test_worker_slots_busy_counts_running_items_per_host(catalog):
     principal = auth._principal_from_key(catalog.key)
     body = {"shape": "openai", "requests": [{"model": "gpt-4o", "messages": []}] * 3}
     with ingest.read_submission(io.BytesIO(json.dumps(body).encode()), 10**8, 50_000) as submission:
-        batch = services.store_native(principal, submission)
+        batch = submit.store_native(principal, submission)
     lease = timezone.now() + timezone.timedelta(minutes=1)
     for i, item in enumerate(Item.objects.filter(batch=batch).order_by("idx")[:2]):
         Item.objects.filter(pk=item.pk).update(state="running", lease_owner=f"node-a:{i}:1", lease_expires_at=lease)

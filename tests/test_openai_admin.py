@@ -6,8 +6,10 @@ import json
 import pytest
 from django.urls import reverse
 
-from batches import finalize, ingest, openai_batches, validation
+from batches import ingest
 from batches.models import Batch, File
+from batches.surfaces.openai import create as openai_create
+from batches.surfaces.openai import finalize, validation
 from relay import auth
 
 pytestmark = pytest.mark.django_db
@@ -28,7 +30,7 @@ def create(catalog, records):
         "requests": records,
     }
     with ingest.read_submission(io.BytesIO(json.dumps(body).encode()), 10**7, 100) as submission:
-        return openai_batches.create(auth.principal_for_key(catalog.key), submission)
+        return openai_create.create(auth.principal_for_key(catalog.key), submission)
 
 
 def rec(custom_id, **body):

@@ -4,7 +4,6 @@ and Redis; the fake upstream."""
 
 import json
 import threading
-import time
 
 import openai
 import pytest
@@ -15,7 +14,7 @@ from batches.models import Batch, File, Item
 from policies.models import Policy
 from relay.demo_upstream import Reply
 from relay.services import create_relay_key
-from tests.workers import wait_for
+from tests.workers import broker_idle, wait_for
 from usage.models import UsageEvent
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -454,5 +453,5 @@ def test_sdk_retry_after_a_lost_response_does_not_double_bill(client, live_serve
         t.join()
     assert len(set(results)) == 1 and Batch.objects.count() == 1 and File.objects.count() == 1
     done = wait_status(client, results[0])
-    time.sleep(0.5)
+    wait_for(broker_idle, 10, interval=0.05, what="every task to end")  # a second run of the item would bill again
     assert done.request_counts.completed == 1 and UsageEvent.objects.count() == 1

@@ -1,7 +1,7 @@
 """The OpenAI-surface lifecycle step by step, in process: create → validate → run → finalize.
 
 Each step is the real service a Celery task would call (validation.validate,
-services.claim/run_item, finalize.finalize, services.sweep), called
+lifecycle.claim, worker.execute.run_item, finalize.finalize, sweeper.sweep), called
 directly so every intermediate status can be observed. Items run through the
 real pipeline against the fake upstream; PostgreSQL and Redis are real.
 """
@@ -16,8 +16,15 @@ from django.conf import settings
 from django.test import override_settings
 from django.utils import timezone
 
-from batches import finalize, ingest, openai_batches, selectors, services, storage, validation
+from batches import ingest, storage, sweeper
+from batches.lifecycle import claim as claims
+from batches.lifecycle import stop
 from batches.models import Batch, File, Item
+from batches.surfaces.native import submit
+from batches.surfaces.openai import create as openai_create
+from batches.surfaces.openai import finalize, validation
+from batches.surfaces.openai import read as openai_read
+from batches.worker import execute
 from relay import auth
 from relay.demo_upstream import Reply
 from relay.models import Pricing
@@ -53,18 +60,18 @@ def create(catalog, records=None, *, raw_lines=None, endpoint=CHAT, key=None, **
     else:
         body["requests"] = records
     with ingest.read_submission(io.BytesIO(json.dumps(body).encode()), 10**8, 50_000) as submission:
-        return openai_batches.create(principal, submission)
+        return openai_create.create(principal, submission)
 
 
 def storage_file(principal, data: bytes) -> File:
-    from batches.files import write_file
+    from batches.surfaces.openai.files import write_file
 
     return write_file(principal, purpose="batch", filename="in.jsonl", chunks=[data])
 
 
 def run_all():
-    while (item := services.claim("test-runner")) is not None:
-        services.run_item(item)
+    while (item := claims.claim("test-runner")) is not None:
+        execute.run_item(item)
 
 
 def status(batch) -> str:
@@ -88,13 +95,13 @@ def test_every_step_of_a_completed_batch(catalog, fake):
     validation.validate(batch.id)
     b = Batch.objects.get(pk=batch.pk)
     assert b.status == "in_progress" and b.in_progress_at and b.total_items == 3 and b.model == "gpt-4o"
-    assert selectors.request_counts(b) == {"total": 3, "completed": 0, "failed": 0}
-    assert selectors.usage(b) is None
+    assert openai_read.request_counts(b) == {"total": 3, "completed": 0, "failed": 0}
+    assert openai_read.usage(b) is None
 
-    first = services.claim("test-runner")
-    services.run_item(first)
+    first = claims.claim("test-runner")
+    execute.run_item(first)
     assert status(batch) == "in_progress"
-    assert selectors.request_counts(b) == {"total": 3, "completed": 1, "failed": 0}
+    assert openai_read.request_counts(b) == {"total": 3, "completed": 1, "failed": 0}
     run_all()
     b = Batch.objects.get(pk=batch.pk)
     assert b.status == "finalizing" and b.finalizing_at and b.output_file_id is None
@@ -131,7 +138,7 @@ def test_discount_is_applied_per_event_and_rolled_up(catalog, fake):
         cost = cost_nano_usd(pricing, Tokens(input=e.input_tokens, output=e.output_tokens))
         assert e.cost_nano_usd == cost  # the undiscounted cost is kept
         assert e.billed_cost_nano_usd == cost * 67 // 100  # floored per event
-    usage = selectors.usage(Batch.objects.get(pk=batch.pk))
+    usage = openai_read.usage(Batch.objects.get(pk=batch.pk))
     assert usage["cost_nano_usd"] == sum(e.billed_cost_nano_usd for e in events)
     assert usage["cost_nano_usd"] < sum(e.cost_nano_usd for e in events)
     assert usage["input_tokens"] == sum(e.input_tokens for e in events)
@@ -139,7 +146,7 @@ def test_discount_is_applied_per_event_and_rolled_up(catalog, fake):
     assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
     # The native surface gets no discount: its events carry no billed price.
     principal = auth.principal_for_key(catalog.key)
-    native = services.submit_native(
+    native = submit.submit_native(
         principal, io.BytesIO(json.dumps({"shape": "openai", "requests": [record("x")["body"]]}).encode())
     )
     run_all()
@@ -182,7 +189,7 @@ def test_validation_errors_carry_line_numbers_and_store_nothing(catalog):
     assert "already used on line 1" in b.errors[2]["message"]
     assert Item.objects.filter(batch=batch).count() == 0
     assert not (Path(settings.RELAY_BATCH_PAYLOAD_DIR) / str(batch.id)).exists()
-    assert selectors.request_counts(b) == {"total": 0, "completed": 0, "failed": 0}
+    assert openai_read.request_counts(b) == {"total": 0, "completed": 0, "failed": 0}
 
 
 @pytest.mark.parametrize(
@@ -222,7 +229,7 @@ def test_record_level_failures_fail_only_their_record(catalog, fake):
     finalize.finalize(batch.id)
     b = Batch.objects.get(pk=batch.pk)
     assert b.status == "completed"
-    assert selectors.request_counts(b) == {"total": 4, "completed": 2, "failed": 2}
+    assert openai_read.request_counts(b) == {"total": 4, "completed": 2, "failed": 2}
     errors = {line["custom_id"]: line for line in lines(b.error_file_id)}
     assert errors["streamed"]["response"] is None and errors["streamed"]["error"]["code"] == "streaming_unsupported"
     assert errors["old-spelling"]["error"]["code"] == "tool_config_moved"
@@ -271,26 +278,26 @@ def test_upstream_and_relay_side_failures_have_their_own_line_shapes(catalog, fa
 def test_cancel_while_running_ends_cancelled_with_partial_results(catalog, fake):
     batch = create(catalog, [record(f"r{i}") for i in range(4)])
     validation.validate(batch.id)
-    running = services.claim("test-runner")
-    assert services.cancel(Batch.objects.get(pk=batch.pk))
+    running = claims.claim("test-runner")
+    assert stop.cancel(Batch.objects.get(pk=batch.pk))
     b = Batch.objects.get(pk=batch.pk)
     assert b.status == "cancelling" and b.cancelling_at and b.cancel_requested_at
-    assert selectors.request_counts(b) == {"total": 4, "completed": 0, "failed": 3}
+    assert openai_read.request_counts(b) == {"total": 4, "completed": 0, "failed": 3}
     finalize.finalize(batch.id)  # a running item is still out there: not yet
     assert status(batch) == "cancelling"
-    services.run_item(running)  # it finishes (its heartbeat had not come round yet)
+    execute.run_item(running)  # it finishes (its heartbeat had not come round yet)
     finalize.finalize(batch.id)
     b = Batch.objects.get(pk=batch.pk)
     assert b.status == "cancelled" and b.cancelled_at >= b.cancelling_at and b.completed_at is None
     assert [line["custom_id"] for line in lines(b.output_file_id)] == [running.custom_id]
     errors = lines(b.error_file_id)
     assert len(errors) == 3 and {e["error"]["code"] for e in errors} == {"batch_cancelled"}
-    assert services.cancel(b)  # cancelling a cancelled batch is a no-op, not an error
+    assert stop.cancel(b)  # cancelling a cancelled batch is a no-op, not an error
 
 
 def test_cancel_before_validation(catalog):
     batch = create(catalog, [record("a")])
-    assert services.cancel(batch)
+    assert stop.cancel(batch)
     assert status(batch) == "cancelling"
     validation.validate(batch.id)  # the message arrives late: nothing happens
     finalize.finalize(batch.id)
@@ -305,16 +312,16 @@ def test_a_finished_batch_cannot_be_cancelled(catalog, fake):
     run_all()
     finalize.finalize(batch.id)
     b = Batch.objects.get(pk=batch.pk)
-    assert not services.cancel(b) and b.status == "completed"
+    assert not stop.cancel(b) and b.status == "completed"
 
 
 @runs_items
 def test_expiry_delivers_finished_records_and_expires_the_rest(catalog, fake):
     batch = create(catalog, [record(f"r{i}") for i in range(3)])
     validation.validate(batch.id)
-    services.run_item(services.claim("test-runner"))
+    execute.run_item(claims.claim("test-runner"))
     Batch.objects.filter(pk=batch.pk).update(expires_at=timezone.now() - timedelta(seconds=1))
-    assert services.sweep()["expired"] == 1
+    assert sweeper.sweep()["expired"] == 1
     b = Batch.objects.get(pk=batch.pk)
     assert b.status == "finalizing" and b.expired_at and b.cancel_requested_at
     finalize.finalize(batch.id)
@@ -331,13 +338,13 @@ def test_expiry_delivers_finished_records_and_expires_the_rest(catalog, fake):
             }
         )
     }
-    assert selectors.request_counts(b) == {"total": 3, "completed": 1, "failed": 2}
+    assert openai_read.request_counts(b) == {"total": 3, "completed": 1, "failed": 2}
 
 
 def test_a_batch_still_validating_when_its_window_closes_expires(catalog):
     with override_settings(RELAY_BATCH_COMPLETION_WINDOW_SECONDS=0):
         batch = create(catalog, [record("a")])
-    services.sweep()
+    sweeper.sweep()
     finalize.finalize(batch.id)
     assert status(batch) == "expired"
 
@@ -349,16 +356,16 @@ def test_sweeper_resends_lost_messages_and_finishes_a_racing_batch(catalog, fake
     batch = create(catalog, [record("a")])
     get_redis().delete("control")  # the validate message is lost
     Batch.objects.filter(pk=batch.pk).update(created_at=timezone.now() - timedelta(minutes=5))
-    services.sweep()
+    sweeper.sweep()
     queued = [json.loads(m)["headers"]["task"] for m in get_redis().lrange("control", 0, -1)]
     assert queued == ["batches.tasks.validate_openai_batch"]
-    services.sweep()  # debounced: not sent twice in one lease period
+    sweeper.sweep()  # debounced: not sent twice in one lease period
     assert get_redis().llen("control") == 1
     validation.validate(batch.id)
     run_all()
     # As if the last item's completion check had raced another item's: all final, still in_progress.
     Batch.objects.filter(pk=batch.pk).update(status="in_progress", finalizing_at=None)
-    services.sweep()
+    sweeper.sweep()
     assert status(batch) == "finalizing"
 
 

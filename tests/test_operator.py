@@ -79,6 +79,7 @@ def _spawn_stubborn(children):
     return proc, int(proc.stdout.readline())
 
 
+@pytest.mark.e2e
 def test_stop_ends_the_whole_tree_even_when_a_child_ignores_sigterm():
     children = embedded.Children(dict(os.environ), grace_seconds=0.5)
     proc, grandchild = _spawn_stubborn(children)
@@ -92,6 +93,7 @@ def test_stop_ends_the_whole_tree_even_when_a_child_ignores_sigterm():
     children.stop()  # a second stop (another Ctrl-C) is harmless
 
 
+@pytest.mark.e2e
 def test_a_failed_start_stops_what_it_had_started():
     with pytest.raises(subprocess.CalledProcessError), embedded.Children(dict(os.environ), grace_seconds=5) as kids:
         redis_like = kids.spawn("sleeper", [sys.executable, "-c", "import time; time.sleep(600)"])
@@ -99,6 +101,7 @@ def test_a_failed_start_stops_what_it_had_started():
     assert redis_like.poll() is not None
 
 
+@pytest.mark.e2e
 def test_children_do_not_get_the_terminals_ctrl_c():
     """Each child leads its own session: a Ctrl-C reaches the launcher only, which then stops them once."""
     with embedded.Children(dict(os.environ), grace_seconds=5) as kids:
@@ -197,11 +200,11 @@ def test_browse_all_items_link_lands_on_the_batch_items(staff_client, catalog):
     import io
     import json
 
-    from batches import services
+    from batches.surfaces.native import submit
     from relay import auth
 
     body = {"shape": "openai", "requests": [{"model": "gpt-4o", "messages": []}] * 3}
-    batch = services.submit_native(auth._principal_from_key(catalog.key), io.BytesIO(json.dumps(body).encode()))
+    batch = submit.submit_native(auth._principal_from_key(catalog.key), io.BytesIO(json.dumps(body).encode()))
     page = staff_client.get(reverse("admin:batches_batch_change", args=[batch.pk])).content.decode()
     href = f"{reverse('admin:batches_item_changelist')}?batch__id__exact={batch.pk}"
     assert f'href="{href}"' in page

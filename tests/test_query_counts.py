@@ -15,7 +15,15 @@ import pytest
 from django.db import connection, connections
 from django.test.utils import CaptureQueriesContext
 
-from batches import ingest, openai_batches, services, validation
+from batches import dispatch, ingest
+from batches.lifecycle import claim as claims
+from batches.lifecycle import sql as lsql
+from batches.surfaces.native import submit
+from batches.surfaces.openai import create as openai_create
+from batches.surfaces.openai import validation
+from batches.worker import bookkeeper as keeper
+from batches.worker import drain as draining
+from batches.worker import execute
 from relay import auth
 from relay.demo_upstream import Reply
 
@@ -48,7 +56,7 @@ DRAIN_ITEM_REDIS = 1
 # came from the catalog cache.
 DRAIN_PER_ITEM = 2
 # Claiming ahead, the bookkeeper sends an item's finish in front of the next claim, as one query string
-# (services._run_pair, lifecycle.HeldFinish): one round trip per item.
+# (keeper._run_pair, finishing.HeldFinish): one round trip per item.
 DRAIN_PER_ITEM_CLAIMING_AHEAD = 1
 # Each one statement less since the relay key's row is cached with the catalog (issue 11).
 OPENAI_LIST_PAGE = 2
@@ -82,7 +90,7 @@ def openai_batch(catalog, n=2):
     ]
     body = {"endpoint": CHAT, "completion_window": "24h", "requests": records}
     with ingest.read_submission(io.BytesIO(json.dumps(body).encode()), 10**7, 100) as submission:
-        batch = openai_batches.create(principal, submission)
+        batch = openai_create.create(principal, submission)
     validation.validate(batch.id)
     return batch
 
@@ -90,7 +98,7 @@ def openai_batch(catalog, n=2):
 def native_batch(catalog, n=3):
     principal = auth.principal_for_key(catalog.key)
     body = {"shape": "openai", "requests": [{"model": "gpt-4o", "messages": []}] * n}
-    return services.submit_native(principal, io.BytesIO(json.dumps(body).encode()))
+    return submit.submit_native(principal, io.BytesIO(json.dumps(body).encode()))
 
 
 def redis_round_trips(fn, monkeypatch) -> int:
@@ -126,50 +134,49 @@ def test_one_live_request(client, catalog, monkeypatch):
 @runs_items
 def test_one_batch_item_run(catalog, fake, monkeypatch):
     native_batch(catalog, n=2)
-    services.run_item(services.claim("warm"))
-    n = count(lambda: services.run_item(services.claim("test-runner")))
+    execute.run_item(claims.claim("warm"))
+    n = count(lambda: execute.run_item(claims.claim("test-runner")))
     assert n == BATCH_ITEM_RUN
     native_batch(catalog, n=1)
-    item = services.claim("test-runner")
-    assert redis_round_trips(lambda: services.run_item(item), monkeypatch) == BATCH_ITEM_REDIS
+    item = claims.claim("test-runner")
+    assert redis_round_trips(lambda: execute.run_item(item), monkeypatch) == BATCH_ITEM_REDIS
 
 
 def count_with_bookkeeper(fn) -> int:
     """`count`, adding the statements of the worker process's bookkeeper thread (its own connection)."""
-    keeper = services._bookkeeper()
+    thread = keeper.bookkeeper()
     # The thread's own connection object (`connection` is a proxy that each thread resolves to its own).
-    ctx = keeper.submit(lambda: CaptureQueriesContext(connections["default"]).__enter__()).result()
+    ctx = thread.submit(lambda: CaptureQueriesContext(connections["default"]).__enter__()).result()
     try:
         n = count(fn)
     finally:
-        keeper.submit(lambda: ctx.__exit__(None, None, None)).result()
+        thread.submit(lambda: ctx.__exit__(None, None, None)).result()
     return n + len(ctx.captured_queries)
 
 
 @runs_items
 @pytest.mark.parametrize("claim_ahead", [False, True], ids=["own-claims", "claims-ahead"])
 def test_the_drain_per_item(catalog, fake, monkeypatch, settings, claim_ahead):
-    from batches import lifecycle
 
     settings.RELAY_BATCH_HEARTBEAT_SECONDS = 3600  # no beat among the counted statements
     # Claiming ahead moves the claim to the bookkeeper thread; it costs no statement more.
     settings.RELAY_BATCH_CLAIM_AHEAD_MIN_LEFT = 1 if claim_ahead else 0
-    monkeypatch.setattr(services, "CLAIM_AHEAD_MAX_ITEM_S", 3600)
-    monkeypatch.setattr(lifecycle, "pass_on", lambda: False)  # Redis only; keep no wake-up queued
-    monkeypatch.setattr(lifecycle, "wake_workers", lambda known_work=False: 0)
+    monkeypatch.setattr(draining, "CLAIM_AHEAD_MAX_ITEM_S", 3600)
+    monkeypatch.setattr(dispatch, "pass_on", lambda: False)  # Redis only; keep no wake-up queued
+    monkeypatch.setattr(dispatch, "wake_workers", lambda known_work=False: 0)
     # The bookkeeper's wait for a claim to pair a finish with, long enough for a busy test machine: the
     # slot hands the claim over right after the finish.
-    monkeypatch.setattr(services, "PAIR_WAIT_S", 0.3)
+    monkeypatch.setattr(keeper, "PAIR_WAIT_S", 0.3)
     batch = native_batch(catalog, n=17)
-    services.drain(max_items=3)  # warm: first-use caches (and both threads' prepared claims) are not pinned
-    three = count_with_bookkeeper(lambda: services.drain(max_items=3))
-    six = count_with_bookkeeper(lambda: services.drain(max_items=6))
+    draining.drain(max_items=3)  # warm: first-use caches (and both threads' prepared claims) are not pinned
+    three = count_with_bookkeeper(lambda: draining.drain(max_items=3))
+    six = count_with_bookkeeper(lambda: draining.drain(max_items=6))
     assert (six - three) / 3 == (DRAIN_PER_ITEM_CLAIMING_AHEAD if claim_ahead else DRAIN_PER_ITEM)
     # Redis: one round trip per item, the key pick carrying the previous item's success settle.
-    one = redis_round_trips(lambda: services.drain(max_items=1), monkeypatch)
-    two = redis_round_trips(lambda: services.drain(max_items=2), monkeypatch)
+    one = redis_round_trips(lambda: draining.drain(max_items=1), monkeypatch)
+    two = redis_round_trips(lambda: draining.drain(max_items=2), monkeypatch)
     assert two - one == DRAIN_ITEM_REDIS
-    assert services.drain() == 2  # the last two, then the claim that finds none; the end completes the batch
+    assert draining.drain() == 2  # the last two, then the claim that finds none; the end completes the batch
     batch.refresh_from_db()
     assert batch.status == "completed"
 
@@ -220,9 +227,8 @@ def test_files_list_and_retrieve(client, catalog):
 def test_the_finish_statement_casts_to_column_types_without_their_lengths():
     """The prepared finish casts its INSERT values (no column gives them a type); a cast to varchar(64)
     would cut a longer value where the column refuses it."""
-    from batches import lifecycle
 
-    types = lifecycle._types_of("usage_usageevent", ["request_id", "ts", "status", "input_tokens"])
+    types = lsql._types_of("usage_usageevent", ["request_id", "ts", "status", "input_tokens"])
     assert types == ["varchar", "timestamp with time zone", "smallint", "bigint"]
 
 
@@ -231,19 +237,19 @@ def test_the_finish_statement_is_built_once_per_shape(catalog, fake, monkeypatch
     """The finish's text (~60 quoted columns and their casts) is built once per shape, not per item:
     items finishing the same way reuse it; a different final state with its error fields is a shape of
     its own, and its values still go through the fields' preparation."""
-    from batches import lifecycle
+
     from batches.models import Item
 
-    monkeypatch.setattr(lifecycle, "_finish_shapes", {})
+    monkeypatch.setattr(lsql, "_finish_shapes", {})
     built = []
-    real = lifecycle._row_inserts
-    monkeypatch.setattr(lifecycle, "_row_inserts", lambda *a, **k: built.append(a) or real(*a, **k))
+    real = lsql.row_inserts
+    monkeypatch.setattr(lsql, "row_inserts", lambda *a, **k: built.append(a) or real(*a, **k))
     batch = native_batch(catalog, n=4)
     for _ in range(3):
-        services.run_item(services.claim("test-runner"))
-    assert len(built) == 1 and len(lifecycle._finish_shapes) == 1
+        execute.run_item(claims.claim("test-runner"))
+    assert len(built) == 1 and len(lsql._finish_shapes) == 1
     fake.script("*", [Reply(status=400, body={"error": {"message": "bad"}})])
-    services.run_item(services.claim("test-runner"))
-    assert len(built) == 2 and len(lifecycle._finish_shapes) == 2
+    execute.run_item(claims.claim("test-runner"))
+    assert len(built) == 2 and len(lsql._finish_shapes) == 2
     states = sorted(Item.objects.filter(batch=batch).values_list("state", "error_code"))
     assert states == [("completed", ""), ("completed", ""), ("completed", ""), ("discarded", "upstream_error")]

@@ -7,7 +7,6 @@ nothing refills while the test runs and no assertion depends on timing."""
 
 import math
 import pickle
-import time
 
 import pytest
 
@@ -15,6 +14,7 @@ from policies.models import RateLimitRule
 from policies.ratelimit import RateLimited, reserve
 from relay.redis import get_redis
 from tests import factories
+from tests.workers import wait_for
 
 pytestmark = pytest.mark.django_db
 
@@ -32,11 +32,14 @@ def _start_of_window(window_s: int, margin_ms: int = 300) -> int:
     return the milliseconds already elapsed in it. Keeps a burst of calls inside
     one fixed window."""
     window_ms = window_s * 1000
-    elapsed = _server_ms() % window_ms
-    if window_ms - elapsed < margin_ms:
-        time.sleep((window_ms - elapsed) / 1000 + 0.01)
-        elapsed = _server_ms() % window_ms
-    return elapsed
+    wait_for(lambda: window_ms - _server_ms() % window_ms >= margin_ms, margin_ms / 1000 + 2, interval=0.01)
+    return _server_ms() % window_ms
+
+
+def _wait_out(seconds: float) -> None:
+    """Let `seconds` pass on Redis's clock, the one the limiter reads."""
+    until = _server_ms() + seconds * 1000
+    wait_for(lambda: _server_ms() >= until, seconds + 2, interval=0.02, what=f"{seconds} s on Redis's clock")
 
 
 def _spend(scope, rl, n):
@@ -72,7 +75,7 @@ def test_requests_spent_then_refilled(strategy):
     # A 1 s window never asks for more than two windows' wait.
     assert 1 <= exc.retry_after <= 2
     # Retry-After is rounded up, so waiting exactly that long is always enough.
-    time.sleep(exc.retry_after + 0.05)
+    _wait_out(exc.retry_after + 0.05)
     reserve(SCOPE, rl, subject="policy pol-a")
 
 
@@ -97,7 +100,7 @@ def test_token_bucket_refills_continuously_and_retry_after_is_time_to_one_token(
     fast = factories.rate_limit("fast", ("requests", 4, 2, "token-bucket"))
     _spend("policy:2", fast, 4)
     assert _denied("policy:2", fast).retry_after == 1
-    time.sleep(0.6)
+    _wait_out(0.6)
     reserve("policy:2", fast, subject="x")
 
 
@@ -161,7 +164,7 @@ def test_token_meter_refills_as_a_sliding_window():
     reserve(SCOPE, rl, subject="x").commit(input_tokens=10)
     exc = _denied(SCOPE, rl)
     assert 1 <= exc.retry_after <= 2
-    time.sleep(exc.retry_after + 0.05)
+    _wait_out(exc.retry_after + 0.05)
     reserve(SCOPE, rl, subject="x")
 
 

@@ -15,8 +15,12 @@ from django.core.management import call_command
 from django.test import Client, override_settings
 from django.utils import timezone
 
-from batches import finalize, retention, services, storage, validation
+from batches import retention, storage
+from batches.lifecycle import claim as claims
 from batches.models import Batch, File, OutputExpiry, Payload
+from batches.surfaces.native import submit
+from batches.surfaces.openai import finalize, validation
+from batches.worker import execute
 from relay import auth
 from relay.models import RevokedToken, User
 from tests.test_openai_lifecycle import create, record, run_all, storage_file
@@ -137,8 +141,8 @@ def test_an_input_file_still_being_validated_waits(catalog):
 @runs_items
 def test_native_batches_past_retention_go_with_their_payloads(catalog, fake):
     batch = _native(auth._principal_from_key(catalog.key), 2)
-    while (item := services.claim("t")) is not None:
-        services.run_item(item)
+    while (item := claims.claim("t")) is not None:
+        execute.run_item(item)
     batch.refresh_from_db()
     assert batch.status == "completed"
     root = Path(settings.RELAY_BATCH_PAYLOAD_DIR) / str(batch.id)
@@ -159,7 +163,7 @@ def _native(principal, n):
         "requests": [{"model": "gpt-4o", "messages": [{"role": "user", "content": f"hi {i}"}]} for i in range(n)],
     }
     with ingest.read_submission(io.BytesIO(json.dumps(body).encode()), 10**8, 50_000) as submission:
-        return services.store_native(principal, submission)
+        return submit.store_native(principal, submission)
 
 
 @runs_items

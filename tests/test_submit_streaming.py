@@ -6,7 +6,6 @@ Real PostgreSQL: the COPY is seen from a second connection while the body is sti
 
 import io
 import json
-import time
 from pathlib import Path
 
 import psycopg2
@@ -15,9 +14,11 @@ from django.conf import settings
 from django.db import connection
 from django.test import Client, override_settings
 
-from batches import intake, services
+from batches import intake
 from batches.models import Batch, Item
+from batches.surfaces.native import submit
 from relay import auth
+from tests.workers import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -79,16 +80,31 @@ def test_items_are_copied_while_the_body_is_still_being_read(catalog):
 
 
 class _Pausing(io.RawIOBase):
-    """The body in 64 KiB reads, with one pause halfway: a client that uploads slowly."""
+    """The body in 64 KiB reads, with one pause halfway: a client that uploads slowly. It goes on once
+    the statement under way (the COPY), seen from a second connection, has run `pause` seconds."""
 
-    def __init__(self, data: bytes, pause: float):
-        self.data, self.pos, self.pause = data, 0, pause
+    def __init__(self, data: bytes, pause: float, dsn: str):
+        self.data, self.pos, self.pause, self.dsn = data, 0, pause, dsn
+
+    def _statement_ran(self, other, seconds: float) -> bool:
+        with other.cursor() as cur:
+            cur.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
+                " AND state = 'active' AND clock_timestamp() - query_start > make_interval(secs => %s)",
+                [seconds],
+            )
+            return cur.fetchone()[0] > 0
 
     def read(self, n=-1):
         if n == 0:  # ijson's probe for bytes or text
             return b""
         if self.pause and self.pos >= len(self.data) // 2:
-            time.sleep(self.pause)
+            other = psycopg2.connect(self.dsn)
+            other.autocommit = True
+            try:
+                wait_for(lambda: self._statement_ran(other, self.pause), 30, interval=0.05, what="the pause")
+            finally:
+                other.close()
             self.pause = 0
         chunk = self.data[self.pos : self.pos + min(n if n > 0 else 65536, 65536)]
         self.pos += len(chunk)
@@ -102,7 +118,7 @@ def test_a_slow_upload_is_not_cut_by_the_database_statement_timeout(catalog):
     with connection.cursor() as cursor:
         cursor.execute("SET statement_timeout = 200")
     try:
-        got = intake.receive(_Pausing(body, pause=0.6), principal, on_native=lambda: None)
+        got = intake.receive(_Pausing(body, pause=0.6, dsn=_dsn()), principal, on_native=lambda: None)
     finally:
         with connection.cursor() as cursor:
             cursor.execute("RESET statement_timeout")
@@ -117,7 +133,7 @@ def test_without_shape_first_the_body_is_spooled_as_before(catalog):
     assert not isinstance(got, Batch)
     with got as submission:
         assert stream.seen_at_end == {"copying": 0}
-        batch = services.store_native(principal, submission)
+        batch = submit.store_native(principal, submission)
     assert batch.total_items == 3000 and Item.objects.filter(batch=batch).count() == 3000
 
 
@@ -192,7 +208,7 @@ def test_the_streamed_path_stores_what_the_spooled_path_stores(catalog):
         io.BytesIO(json.dumps({"requests": elements, "shape": "openai"}).encode()), principal, lambda: None
     )
     with spooled as submission:
-        spooled = services.store_native(principal, submission)
+        spooled = submit.store_native(principal, submission)
 
     def stored(batch):
         root = Path(settings.RELAY_BATCH_PAYLOAD_DIR) / str(batch.id)

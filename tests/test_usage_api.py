@@ -2,7 +2,6 @@
 
 import base64
 import threading
-import time
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -13,6 +12,7 @@ from django.utils import timezone
 
 from relay import auth
 from tests import factories
+from tests.workers import wait_for
 from usage.models import UsageEvent
 from usage.selectors import DIMENSIONS
 from usage.services import record_event
@@ -80,13 +80,23 @@ def test_record_event_race_between_two_writers():
     barrier = threading.Barrier(2)
     results, errors = [], []
 
+    def other_waits_or_is_done() -> bool:
+        if len(results) == 2:
+            return True
+        with connections["default"].cursor() as cursor:
+            cursor.execute("SELECT pg_stat_clear_snapshot()")  # activity is snapshotted once per transaction
+            cursor.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
+            )
+            return cursor.fetchone()[0] >= 1
+
     def writer(status):
         try:
             with transaction.atomic():
                 barrier.wait()
                 results.append(record_event(request_id="raced", source="batch", status=status))
-                # Hold the transaction open: the other INSERT has to wait for it.
-                time.sleep(0.3)
+                # Hold the transaction open until the other INSERT waits for it.
+                wait_for(other_waits_or_is_done, 10, interval=0.02, what="the other writer to wait")
         except Exception as exc:  # surfaced by the assertion below
             errors.append(exc)
         finally:

@@ -77,7 +77,9 @@ class Worker:
         """Send a signal to one process group (SIGSTOP freezes it, SIGCONT thaws it)."""
         os.killpg(self.procs[role].pid, sig)
 
-    def stop(self) -> None:
+    def stop(self, grace: float = 0.5) -> None:
+        """SIGTERM, and SIGKILL for what is still running after `grace` seconds: a Celery worker's warm
+        shutdown waits out its broker poll and its pool (1-3 s), and nothing is checked after it."""
         for proc in self.procs.values():
             if proc.poll() is None:
                 try:
@@ -85,15 +87,15 @@ class Worker:
                     os.killpg(proc.pid, signal.SIGTERM)
                 except ProcessLookupError:
                     pass
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and any(proc.poll() is None for proc in self.procs.values()):
+            time.sleep(0.02)
         for proc in self.procs.values():
             try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait(timeout=10)
+                os.killpg(proc.pid, signal.SIGKILL)  # the whole group: pool children too
+            except ProcessLookupError:
+                pass
+            proc.wait(timeout=10)
         for log in self.logs.values():
             log.close()
 
@@ -104,6 +106,18 @@ class Worker:
                 log.flush()
             parts.append(f"--- {role} ---\n" + Path(log.name).read_text(errors="replace")[-3000:])
         return "\n".join(parts)
+
+
+def broker_idle() -> bool:
+    """No task waits in the broker and none runs: tasks are acknowledged late, so a message a worker took
+    stays in the transport's `unacked` hash until its task has returned."""
+    import redis
+    from django.conf import settings
+
+    r = redis.Redis.from_url(settings.CELERY_BROKER_URL)
+    if r.hlen("unacked"):
+        return False
+    return not any(r.type(key) == b"list" and r.llen(key) for key in r.scan_iter(count=1000))
 
 
 def wait_for(predicate, timeout: float, interval: float = 0.2, what: str = "condition"):
