@@ -34,8 +34,9 @@ import time
 
 import requests
 
-from bench import harness, peer_litellm
-from bench.harness import env_float, env_int, log, percentile
+from bench import catalog, harness, measure, peer_litellm
+from bench.harness import env_float, env_int, log
+from bench.measure import percentile
 
 
 def _post(session: requests.Session, url: str, headers: dict, body: dict) -> float:
@@ -112,8 +113,8 @@ def _sequential(targets: list, n: int, warmup: int, watch=contextlib.nullcontext
 
 def cpu_groups(stack: harness.Stack, web: harness.Web, upstream: harness.Upstream) -> dict:
     return {
-        "web (gunicorn)": lambda: harness.process_tree(web.proc.popen.pid),
-        "postgres": lambda: harness.pg_backends(stack.db_name),
+        "web (gunicorn)": lambda: measure.process_tree(web.proc.popen.pid),
+        "postgres": lambda: measure.pg_backends(stack.db_name),
         "fake upstream": lambda: [upstream.proc.popen.pid],
         "this client": lambda: [os.getpid()],
     }
@@ -130,17 +131,17 @@ def run() -> dict:
         log(f"fresh database {stack.db_name}, Redis db {stack.redis_db}; migrating")
         stack.fresh()
         upstream = stack.start_upstream(delay_ms)
-        relay_key = harness.seed_catalog(upstream.url)
+        relay_key = catalog.seed_catalog(upstream.url)
         web = stack.start_web()
         gunicorn = " ".join(harness.GUNICORN_ARGS)
         log(f"fake upstream {upstream.url} ({delay_ms:g} ms), relay {web.url} (gunicorn {gunicorn})")
 
-        body = harness.chat_body(1)
-        direct_body = dict(body, model=harness.UPSTREAM_MODEL)  # what the relay sends upstream
+        body = catalog.chat_body(1)
+        direct_body = dict(body, model=catalog.UPSTREAM_MODEL)  # what the relay sends upstream
         relay_url, relay_headers = f"{web.url}/v1/chat/completions", {"Authorization": f"Bearer {relay_key}"}
         direct_url, direct_headers = (
             f"{upstream.url}/v1/chat/completions",
-            {"Authorization": f"Bearer {harness.UPSTREAM_KEY}"},
+            {"Authorization": f"Bearer {catalog.UPSTREAM_KEY}"},
         )
 
         # The relay and the peer are each measured against the direct call in a phase of their own,
@@ -151,14 +152,14 @@ def run() -> dict:
         relay_target = ("relay", relay_url, relay_headers, body)
         direct_target = ("direct", direct_url, direct_headers, direct_body)
         times, seq_cpu = _sequential(
-            [relay_target, direct_target], n, warmup, watch=lambda: harness.CpuWatch(cpu_groups(stack, web, upstream))
+            [relay_target, direct_target], n, warmup, watch=lambda: measure.CpuWatch(cpu_groups(stack, web, upstream))
         )
         relay_t, direct_t = times["relay"], times["direct"]
         diff = [r - d for r, d in zip(relay_t, direct_t, strict=True)]
 
         log(f"throughput: {conc} threads x {seconds:g} s per target")
         direct_tp = _throughput(direct_url, direct_headers, direct_body, conc, seconds)
-        with harness.CpuWatch(cpu_groups(stack, web, upstream)) as tp_cpu, harness.profiled(web, "live-throughput"):
+        with measure.CpuWatch(cpu_groups(stack, web, upstream)) as tp_cpu, harness.profiled(web, "live-throughput"):
             relay_tp = _throughput(relay_url, relay_headers, body, conc, seconds)
 
         peer, peer_skip, peer_t, peer_diff, peer_direct_t, peer_tp = None, "", None, None, None, None
@@ -207,7 +208,7 @@ def run() -> dict:
             else None
         ),
         "peer_skip": peer_skip,
-        "load": harness.load(),
+        "load": measure.load(),
         "conc": conc,
         "seconds": seconds,
         "events": events,
@@ -222,7 +223,7 @@ def run() -> dict:
 
 def print_report(r: dict) -> None:
     print()
-    print(f"== Live overhead (issues 3, 11) — {harness.machine()}, {time.strftime('%Y-%m-%d %H:%M')}")
+    print(f"== Live overhead (issues 3, 11) — {measure.machine()}, {time.strftime('%Y-%m-%d %H:%M')}")
     print(f"load at the end: {r['load']}")
     print(
         f"POST /v1/chat/completions, fake upstream at {r['delay_ms']:g} ms; sequential: {r['n']} requests each, "
@@ -239,7 +240,7 @@ def print_report(r: dict) -> None:
             [f"through LiteLLM {p['version']} (peer)", f"{p['median']:.2f}", f"{p['p99']:.2f}"],
             ["LiteLLM overhead (per-round difference)", f"{p['overhead_median']:.2f}", f"{p['overhead_p99']:.2f}"],
         ]
-    print(harness.table(["sequential latency", "median ms", "p99 ms"], rows))
+    print(measure.table(["sequential latency", "median ms", "p99 ms"], rows))
     if p is None:
         print(f"peer (LiteLLM) skipped: {r['peer_skip']}")
     else:
@@ -256,7 +257,7 @@ def print_report(r: dict) -> None:
     for label, t in runs:
         rows.append([label, f"{t['rps']:.0f}", f"{t['median_ms']:.2f}", f"{t['p99_ms']:.2f}", t["errors"]])
     headers = [f"concurrency {r['conc']}, {r['seconds']:g} s", "requests/s", "median ms", "p99 ms", "errors"]
-    print(harness.table(headers, rows))
+    print(measure.table(headers, rows))
     print(f"relay at concurrency {r['conc']}: {r['tp_cpu']}")
     print(
         f"usage events recorded (source=live): {r['events']} of {r['events_expected']} relay requests; "

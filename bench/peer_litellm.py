@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench import harness
+from bench import catalog, harness
 
 VENV = Path(os.environ.get("BENCH_LITELLM_VENV") or harness.ROOT / ".bench-venv-litellm")
 MASTER_KEY = "sk-litellm-bench-master"
@@ -54,11 +54,11 @@ def start(stack: "harness.Stack", upstream_url: str, workers: int = 2) -> Peer:
     config = stack.tmp / "litellm.yaml"
     config.write_text(
         "model_list:\n"
-        f"  - model_name: {harness.MODEL}\n"
+        f"  - model_name: {catalog.MODEL}\n"
         "    litellm_params:\n"
-        f"      model: openai/{harness.UPSTREAM_MODEL}\n"
+        f"      model: openai/{catalog.UPSTREAM_MODEL}\n"
         f"      api_base: {upstream_url}/v1\n"
-        f"      api_key: {harness.UPSTREAM_KEY}\n"
+        f"      api_key: {catalog.UPSTREAM_KEY}\n"
         "general_settings:\n"
         f"  master_key: {MASTER_KEY}\n"
         "litellm_settings:\n"
