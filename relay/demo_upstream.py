@@ -8,9 +8,15 @@ the same server (`tests/fakes.py`) and scripts failures into it.
 
 Scripting (tests): `server.script(key, [Reply(...), ...])` queues replies for
 calls made with that API key (or "*" for any); unscripted calls succeed.
+
+Run as a process (`python -m relay.demo_upstream`, as embedded mode does), it reads:
+- RELAY_DEMO_UPSTREAM_DELAY_MS: every answer waits this many milliseconds first (default 0), so a
+  demo (or the embedded-mode tests) can watch items pending, running, cancelled or expired;
+- RELAY_DEMO_UPSTREAM_DELAY_MATCH: when set, only requests whose raw body contains this text wait.
 """
 
 import json
+import os
 import select
 import socket
 import threading
@@ -61,6 +67,8 @@ def canned(path: str, body: dict) -> dict:
     prompt = _prompt_text(body)
     answer = f"{DEMO_BANNER} you said: {prompt[:200]}"
     pin, pout = _tokens(prompt), _tokens(answer)
+    if path.endswith("/messages/count_tokens"):
+        return {"input_tokens": pin}  # Anthropic's count: no usage block, nothing billed
     if path.endswith("/chat/completions"):
         return {
             "id": "chatcmpl-demo",
@@ -134,7 +142,14 @@ def canned(path: str, body: dict) -> dict:
     return {"error": {"message": f"unknown path {path}", "type": "invalid_request_error"}}
 
 
-KNOWN_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/v1/messages")
+KNOWN_PATHS = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/embeddings",
+    "/v1/responses",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+)
 
 
 def openai_limit_headers(limit, remaining: int, reset_ms: int) -> dict:
@@ -358,6 +373,10 @@ def main():  # pragma: no cover - the embedded launcher runs it
     parser.add_argument("--port", type=int, default=8090)
     args = parser.parse_args()
     server = DemoUpstream(port=args.port)
+    delay_ms = int(os.environ.get("RELAY_DEMO_UPSTREAM_DELAY_MS") or 0)
+    if delay_ms > 0:
+        # "" is in every body: without a match, every answer waits.
+        server.answer_when(os.environ.get("RELAY_DEMO_UPSTREAM_DELAY_MATCH", ""), Reply(delay=delay_ms / 1000))
     print(f"demo upstream on {server.url} — canned replies, not a real model", flush=True)
     server.serve_forever()
 

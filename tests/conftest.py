@@ -147,6 +147,8 @@ LONG_TESTS = {
     "test_a_worker_frozen_inside_its_finishing_transaction_stalls_nothing": 9,
     "test_transient_failures_are_retried_and_hopeless_items_end_with_their_history": 9,
     "test_a_call_with_a_cancel_is_watched_while_the_watchdog_sleeps_to_a_far_deadline": 6,
+    # The embedded tier's first test starts its whole stack (SQLite, redis-server, gunicorn, Celery).
+    "test_the_stack_keeps_to_its_own_sqlite_redis_and_state_directory": 12,
 }
 TIER_SECONDS = {"unit": 0.02, "integration": 0.1, "e2e": 2.0}
 
