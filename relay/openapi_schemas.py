@@ -13,6 +13,22 @@ def nullable(schema: dict) -> dict:
 STR, INT, BOOL, OBJ = {"type": "string"}, {"type": "integer"}, {"type": "boolean"}, {"type": "object"}
 TS = {"type": "integer", "description": "Unix seconds"}
 
+
+def openai_list(item: str) -> dict:
+    """An OpenAI list object (`{"object": "list", "data", "first_id", "last_id", "has_more"}`) of `item`s."""
+    return {
+        "type": "object",
+        "required": ["object", "data", "has_more"],
+        "properties": {
+            "object": {"const": "list"},
+            "data": {"type": "array", "items": ref(item)},
+            "first_id": nullable(STR),
+            "last_id": nullable(STR),
+            "has_more": BOOL,
+        },
+    }
+
+
 SCHEMAS = {
     # --- errors ---
     "RelayError": {
@@ -189,17 +205,7 @@ SCHEMAS = {
             "status_details": {"type": "null"},
         },
     },
-    "FileList": {
-        "type": "object",
-        "required": ["object", "data", "has_more"],
-        "properties": {
-            "object": {"const": "list"},
-            "data": {"type": "array", "items": ref("File")},
-            "first_id": nullable(STR),
-            "last_id": nullable(STR),
-            "has_more": BOOL,
-        },
-    },
+    "FileList": openai_list("File"),
     "FileDeleted": {
         "type": "object",
         "required": ["id", "object", "deleted"],
@@ -306,17 +312,7 @@ SCHEMAS = {
             ),
         },
     },
-    "BatchList": {
-        "type": "object",
-        "required": ["object", "data", "has_more"],
-        "properties": {
-            "object": {"const": "list"},
-            "data": {"type": "array", "items": ref("Batch")},
-            "first_id": nullable(STR),
-            "last_id": nullable(STR),
-            "has_more": BOOL,
-        },
-    },
+    "BatchList": openai_list("Batch"),
     # --- Anthropic-compatible Message Batches ---
     "AnthropicError": {
         "type": "object",
