@@ -8,7 +8,8 @@ the body parser) is re-shaped with `OpenAIError.of()` so a client of this
 surface never sees the relay's native envelope.
 """
 
-from relay.errors import RelayError
+from relay.errors import AnthropicError, RelayError
+from relay.errors import anthropic_error_type as error_type  # noqa: F401 - the surface reads it here
 
 
 class OpenAIError(RelayError):
@@ -58,39 +59,8 @@ def no_batch_access() -> OpenAIError:
 
 # --- the Anthropic-compatible surface: {"type": "error", "error": {"type", "message"}} -----------
 
-_ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-}
 
-
-def error_type(status: int) -> str:
-    return _ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
-
-
-class AnthropicError(RelayError):
-    """Anthropic's envelope: {"type": "error", "error": {"type", "message"}} (the SDK maps the status)."""
-
-    def __init__(self, status: int, message: str, *, headers: dict | None = None):
-        super().__init__(status, "", message, type=error_type(status), headers=headers)
-
-    def body(self) -> dict:
-        return {"type": "error", "error": {"type": self.type, "message": self.message}}
-
-    @classmethod
-    def of(cls, exc: RelayError) -> "AnthropicError":
-        if isinstance(exc, AnthropicError):
-            return exc
-        # A batch body over the limit is 400 on the other batch surfaces; Anthropic answers 413.
-        status = 413 if exc.code == "request_too_large" else exc.status
-        message = f"{exc.param}: {exc.message}" if exc.param and exc.param not in exc.message else exc.message
-        return cls(status, message, headers=exc.headers)
-
-
+# AnthropicError and its error types are relay.errors' (the live Anthropic routes answer in them too).
 def invalid_anthropic(message: str) -> AnthropicError:
     return AnthropicError(400, message)
 

@@ -15,6 +15,8 @@ PATH_ADAPTER = {
     "/v1/embeddings": Adapter.OPENAI,
     "/v1/responses": Adapter.OPENAI_RESPONSES,
     "/v1/messages": Adapter.ANTHROPIC,
+    # Anthropic's token counting: forwarded to an `anthropic` binding like a message (free there).
+    "/v1/messages/count_tokens": Adapter.ANTHROPIC,
 }
 
 # Each inbound path is served bare and under these prefixes: the live routes (relay.api.inference,

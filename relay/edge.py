@@ -3,7 +3,7 @@
 EdgeMiddleware (first in settings.MIDDLEWARE):
 
 - gives the request an id (`request.relay_request_id`, answered as
-  `X-Relay-Request-ID` on every error) used in the log line of an unexpected
+  `X-Request-ID` on every response, `Request-ID` too on the Anthropic routes) used in the log line of an unexpected
   exception;
 - refuses a URL longer than RELAY_MAX_URL_CHARS (414), a path or query
   parameter holding a NUL character or a lone surrogate (400, naming the
@@ -41,7 +41,7 @@ from django.middleware import csrf as csrf_middleware
 from django.views import defaults
 
 from relay.adapters import LIVE_PATHS
-from relay.errors import RelayError, clipped, quoted
+from relay.errors import AnthropicError, RelayError, clipped, is_anthropic_path, quoted
 from relay.http import ascii_int
 
 log = logging.getLogger("relay.edge")
@@ -50,8 +50,8 @@ _CHUNK = 64 * 1024
 _SPOOL_MEMORY = 1024 * 1024
 # Multipart framing and the small form fields around an upload's file part.
 _MULTIPART_OVERHEAD = 1024 * 1024
-_OPENAI_SURFACE = ("/v1/batches", "/v1/files")
-_ANTHROPIC_SURFACE = ("/v1/messages/batches", "/anthropic/v1/messages/batches")
+_OPENAI_SURFACE = ("/v1/batches", "/v1/files", "/openai/v1/batches", "/openai/v1/files")
+
 
 _REASONS = {
     400: ("invalid_request", "bad request"),
@@ -79,10 +79,10 @@ def error_response(request, status: int, code: str, message: str, *, param: str 
         from batches.errors import OpenAIError
 
         err = OpenAIError(status, code, message, param=param)
-    elif path.startswith(_ANTHROPIC_SURFACE):
-        from batches.errors import AnthropicError
-
-        err = AnthropicError(status, f"{param}: {message}" if param else message)
+    elif is_anthropic_path(path):  # every Anthropic route, live and batch
+        # The relay's code beside Anthropic's type on the live routes; the batch routes keep Anthropic's shape.
+        live = "/messages/batches" not in path
+        err = AnthropicError(status, f"{param}: {message}" if param else message, code=code if live else "")
     else:
         err = RelayError(status, code, message, param=param)
     return _finish(request, err.response())
@@ -92,10 +92,21 @@ def _finish(request, response: HttpResponse) -> HttpResponse:
     # Answered before CommonMiddleware: say where the body ends, so the connection need not close
     # (a server that drains an unread body before closing would otherwise hold the answer back).
     response["Content-Length"] = str(len(response.content))
-    rid = getattr(request, "relay_request_id", None)
-    if rid:
-        response["X-Relay-Request-ID"] = rid
+    stamp_request_id(request, response)
     return response
+
+
+def stamp_request_id(request, response) -> None:
+    """Every answer carries the relay's own id for the request — the one in its log lines and on its
+    usage event — as `x-request-id` (what the openai SDK reads into `_request_id`), `request-id` on
+    the Anthropic routes (the anthropic SDK's), and `X-Relay-Request-ID`."""
+    rid = getattr(request, "relay_request_id", None)
+    if not rid:
+        return
+    response["X-Request-ID"] = rid
+    response["X-Relay-Request-ID"] = rid
+    if is_anthropic_path(getattr(request, "path", "") or ""):
+        response["Request-ID"] = rid
 
 
 def _bad_text(text: str) -> str | None:
@@ -109,7 +120,7 @@ def _bad_text(text: str) -> str | None:
 
 
 def body_limit(path: str) -> int:
-    if path.rstrip("/") == "/v1/files":
+    if path.rstrip("/") in ("/v1/files", "/openai/v1/files"):
         return settings.RELAY_MAX_UPLOAD_BYTES + _MULTIPART_OVERHEAD
     return settings.RELAY_MAX_REQUEST_BYTES
 
@@ -175,6 +186,11 @@ class EdgeMiddleware:
 
     def __call__(self, request):
         request.relay_request_id = str(uuid6.uuid7())
+        theirs = request.META.get("HTTP_X_REQUEST_ID")
+        if theirs:
+            # A client's own id is never taken as ours (ours is unique and names our log lines); it is
+            # logged beside ours so the two can be matched.
+            log.info("request %s: the client's x-request-id is %s", request.relay_request_id, quoted(theirs))
         sock = request.META.get("gunicorn.socket")
         try:
             refusal = self._refuse(request, sock)
@@ -196,8 +212,8 @@ class EdgeMiddleware:
         if response.status_code >= 400 and is_api_path(request.path) and not _is_json(response):
             code, message = _REASONS.get(response.status_code, ("error", "request failed"))
             response = error_response(request, response.status_code, code, message)
-        elif response.status_code >= 400 and "X-Relay-Request-ID" not in response:
-            response["X-Relay-Request-ID"] = request.relay_request_id
+        elif "X-Request-ID" not in response:
+            stamp_request_id(request, response)
         return response
 
     def process_exception(self, request, exception):
@@ -290,7 +306,12 @@ class EdgeMiddleware:
 
 
 def _too_large(request, limit: int) -> HttpResponse:
-    if request.path.rstrip("/") == "/v1/files":  # the upload's own answer (batches.surfaces.openai.files.too_large)
+    path = request.path.rstrip("/")
+    if path in ("/v1/batches", "/openai/v1/batches") and request.method == "POST":
+        # A batch body over the limit is a 400 (the native contract's, decision 0003), refused before a
+        # byte is read; the Anthropic surface answers its own 413 (its path is not this one).
+        return error_response(request, 400, "request_too_large", f"request body exceeds {limit} bytes")
+    if path in ("/v1/files", "/openai/v1/files"):  # the upload's own answer (batches.surfaces.openai.files.too_large)
         from batches.surfaces.openai.files import too_large
 
         return _finish(request, too_large(settings.RELAY_MAX_UPLOAD_BYTES).response())

@@ -85,6 +85,16 @@ def bad_request(message: str, code: str = "invalid_request") -> RelayError:
 
 
 def drf_exception_handler(exc, context):
+    request = context.get("request")
+    if is_anthropic_path(getattr(request, "path", "") or ""):
+        # Every Anthropic route answers in Anthropic's envelope, a 401 of the live routes included.
+        if not isinstance(exc, RelayError):
+            response = exception_handler(exc, context)
+            if response is None:
+                return None
+            detail = response.data.get("detail") if isinstance(response.data, dict) else response.data
+            exc = RelayError(response.status_code, getattr(exc, "default_code", ""), str(detail))
+        return AnthropicError.of(exc, with_code=True).response()
     if isinstance(exc, RelayError):
         return exc.response()
     response = exception_handler(exc, context)
@@ -92,3 +102,54 @@ def drf_exception_handler(exc, context):
         detail = response.data.get("detail") if isinstance(response.data, dict) else response.data
         response.data = {"error": {"type": _default_type(response.status_code), "message": str(detail)}}
     return response
+
+
+# --- Anthropic's envelope: {"type": "error", "error": {"type", "message"}} -----------------------
+# Answered on the Anthropic routes, live and batch (relay.edge, relay.api.inference, batches).
+
+_ANTHROPIC_ROUTES = ("/v1/messages", "/anthropic/")
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path.startswith(_ANTHROPIC_ROUTES)
+
+
+_ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    # Busy: every key cooling down, the provider's capacity spent (Anthropic says 529 overloaded).
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+
+def anthropic_error_type(status: int) -> str:
+    return _ANTHROPIC_ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+
+
+class AnthropicError(RelayError):
+    """Anthropic's envelope: {"type": "error", "error": {"type", "message"}} (the SDK maps the status)."""
+
+    def __init__(self, status: int, message: str, *, code: str = "", headers: dict | None = None):
+        super().__init__(status, code, message, type=anthropic_error_type(status), headers=headers)
+
+    def body(self) -> dict:
+        error = {"type": self.type, "message": self.message}
+        if self.code:
+            error["code"] = self.code  # the relay's own code beside Anthropic's type (the SDK ignores it)
+        return {"type": "error", "error": error}
+
+    @classmethod
+    def of(cls, exc: RelayError, *, with_code: bool = False) -> "AnthropicError":
+        """`exc` in Anthropic's envelope; `with_code`: keep the relay's code beside the type (a live
+        call's answer, where the code names the cause: upstream_unreachable, no_keys, …)."""
+        if isinstance(exc, AnthropicError):
+            return exc
+        # A batch body over the limit is 400 on the other batch surfaces; Anthropic answers 413.
+        status = 413 if exc.code == "request_too_large" else exc.status
+        message = f"{exc.param}: {exc.message}" if exc.param and exc.param not in exc.message else exc.message
+        return cls(status, message, code=exc.code if with_code else "", headers=exc.headers)

@@ -287,13 +287,37 @@ def slots_busy() -> dict[str, int]:
     return dict(sorted(busy.items()))
 
 
+def slots_capacity() -> dict[str, int]:
+    """Slots per worker host, from what each live item-worker process announces
+    (batches.worker.warmup.announce_slots)."""
+    from batches.worker.warmup import SLOTS_KEY_PREFIX
+    from relay.redis import get_redis
+
+    client = get_redis()
+    keys = list(client.scan_iter(match=f"{SLOTS_KEY_PREFIX}*", count=500))
+    capacity: dict[str, int] = {}
+    for key, value in zip(keys, client.mget(keys) if keys else [], strict=True):
+        if value is None:
+            continue  # expired between the scan and the read
+        host = (key.decode() if isinstance(key, bytes) else key).removeprefix(SLOTS_KEY_PREFIX).rsplit(":", 1)[0]
+        capacity[host] = capacity.get(host, 0) + int(value)
+    return capacity
+
+
 def worker_slots():
-    fam = GaugeMetricFamily(
+    busy_fam = GaugeMetricFamily(
         "relay_worker_slots_busy", "Batch items running now, per worker host (of its lease).", labels=["worker"]
     )
-    for host, n in slots_busy().items():
-        fam.add_metric([host], n)
-    yield fam
+    cap_fam = GaugeMetricFamily(
+        "relay_worker_slots", "Item slots of the live item workers, per worker host.", labels=["worker"]
+    )
+    busy, capacity = slots_busy(), slots_capacity()
+    for host in sorted(set(busy) | set(capacity)):
+        busy_fam.add_metric([host], busy.get(host, 0))  # an idle live worker shows 0
+        if host in capacity:
+            cap_fam.add_metric([host], capacity[host])
+    yield busy_fam
+    yield cap_fam
 
 
 SOURCES = (

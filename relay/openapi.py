@@ -246,13 +246,18 @@ OPERATIONS = {
     },
 }
 
-_INFERENCE_PATH = re.compile(r"^(/openai|/anthropic)?/v1/(chat/completions|completions|embeddings|responses|messages)$")
+_INFERENCE_PATH = re.compile(
+    r"^(/openai|/anthropic)?/v1/(chat/completions|completions|embeddings|responses|messages|messages/count_tokens)$"
+)
 _CHAT_PATHS = {"/v1/chat/completions", "/openai/v1/chat/completions"}
 
 
 def declaration(path: str, method: str) -> dict | None:
     if (path, method) in OPERATIONS:
         return OPERATIONS[(path, method)]
+    if path.startswith("/openai/v1/") and (path.removeprefix("/openai"), method) in OPERATIONS:
+        # The OpenAI-compatible routes are served under /openai/ too, the same operations.
+        return OPERATIONS[(path.removeprefix("/openai"), method)]
     if method == "post" and _INFERENCE_PATH.match(path):
         op = dict(INFERENCE, summary=f"Live inference: POST {path} (non-streaming)")
         if path in _CHAT_PATHS:

@@ -20,6 +20,7 @@ urlpatterns = [
     path("healthz", HealthView.as_view(), name="healthz"),
     path("metrics", metrics_view, name="metrics"),
     path("v1/models", ModelsView.as_view(), name="models"),
+    path("openai/v1/models", ModelsView.as_view(), name="openai-models"),
     path("admin/health/", admin.site.admin_view(health_page), name="admin-health"),
     path("admin/", admin.site.urls),
     path("api/usage/", include("usage.urls")),

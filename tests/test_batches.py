@@ -167,11 +167,13 @@ def test_too_many_items_names_the_limit(api):
     assert Batch.objects.count() == 0 and Item.objects.count() == 0
 
 
-def test_body_over_the_limit_is_413_before_reading(api):
-    # Its Content-Length already says so: refused at the edge, before a byte is read (issue 12).
+def test_body_over_the_limit_is_400_before_reading(api):
+    # Its Content-Length already says so: refused at the edge, before a byte is read (decision 0008),
+    # with the native contract's 400 (decision 0003).
     with override_settings(RELAY_MAX_REQUEST_BYTES=2000):
         resp = api.submit([CHAT] * 50)
-    assert resp.status_code == 413 and "exceeds 2000 bytes" in resp.json()["error"]["message"]
+    assert resp.status_code == 400 and "exceeds 2000 bytes" in resp.json()["error"]["message"]
+    assert resp.json()["error"]["code"] == "request_too_large"
     assert Batch.objects.count() == 0
 
 

@@ -3,6 +3,10 @@ and the Celery signals that run it (connected from the app config's ready(): rel
 nothing of the batch engine)."""
 
 import logging
+import os
+import socket
+import threading
+import time
 
 from celery import signals
 from django.db import connection, connections
@@ -69,6 +73,7 @@ def _after_django_fixup(sender=None, **kwargs) -> None:
         # used it) is not prepared, and is closed.
         warm_up(own_connection=False)
         connections.close_all()
+        announce_slots(int(getattr(sender, "concurrency", 0) or 0))
         return
     # Connected here, in the worker's parent, so it runs after Celery's Django fixup's own
     # worker_process_init receiver (which closes every database connection a pool process inherits).
@@ -100,3 +105,34 @@ def _warm_up_process(**kwargs) -> None:
     """Each pool process connects and loads what every item needs before it takes its first task
     (`warm_up`), not during it; the worker reports ready once its processes are up."""
     warm_up()
+
+
+# --- the slots this worker offers, for /metrics ---------------------------------------------------
+
+# One key per item-worker process, refreshed while it lives: /metrics lists every live worker's
+# slots (busy 0 of 8 included), which the running items alone cannot show for an idle one.
+SLOTS_KEY_PREFIX = "relay:worker_slots:"
+SLOTS_REFRESH_S = 10.0
+SLOTS_TTL_S = 35
+
+
+def announce_slots(capacity: int) -> None:
+    """Keep this process's slots announced while it lives (a daemon thread refreshes the key; it
+    expires SLOTS_TTL_S after the process dies)."""
+    if capacity <= 0:
+        return
+
+    def refresh() -> None:
+        while True:
+            announce_once(capacity)
+            time.sleep(SLOTS_REFRESH_S)
+
+    threading.Thread(target=refresh, name="slots-announcer", daemon=True).start()
+
+
+def announce_once(capacity: int) -> None:
+    """`relay:worker_slots:<host>:<pid>` = capacity, for SLOTS_TTL_S."""
+    try:
+        get_redis().set(f"{SLOTS_KEY_PREFIX}{socket.gethostname()}:{os.getpid()}", capacity, ex=SLOTS_TTL_S)
+    except Exception:  # Redis away: /metrics shows the worker again once it is back
+        log.debug("could not announce this worker's slots", exc_info=True)

@@ -1,5 +1,6 @@
 """Live (non-streaming) inference endpoints. Thin: authenticate, read, dispatch, record, answer."""
 
+import json
 import logging
 import time
 
@@ -11,7 +12,8 @@ from rest_framework.views import APIView
 
 from relay import auth, pipeline
 from relay.api.authentication import LiveCredentialAuthentication
-from relay.errors import RelayError
+from relay.edge import stamp_request_id
+from relay.errors import AnthropicError, RelayError, is_anthropic_path
 from relay.http import parse_json_object, read_body
 from usage.services import record_event
 
@@ -53,14 +55,18 @@ class InferenceView(APIView):
                 reauthenticate=lambda snapshot: auth.authenticate(request._request, snapshot),
             )
         )
-        response = HttpResponse(outcome.body, status=outcome.status, content_type="application/json")
+        body = outcome.body
+        if outcome.origin == "relay" and outcome.error is not None and is_anthropic_path(request.path):
+            # The relay's own refusal on an Anthropic route: in Anthropic's envelope, with the code.
+            body = json.dumps(AnthropicError.of(outcome.error, with_code=True).body()).encode()
+        response = HttpResponse(body, status=outcome.status, content_type="application/json")
         # The usage event is written once the answer has been sent (the WSGI server closes the
         # response after its last byte), so the caller does not wait for the INSERT.
         response._resource_closers.append(lambda: _record(outcome.event))
         for name, value in outcome.headers.items():
             response[name] = str(value)
         response["X-WR-Origin"] = outcome.origin
-        response["X-Relay-Request-ID"] = request_id
+        stamp_request_id(request._request, response)
         return response
 
 

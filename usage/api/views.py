@@ -184,7 +184,8 @@ def decode_cursor(value: str) -> tuple[datetime, str]:
     try:
         raw = base64.urlsafe_b64decode(value + "=" * (-len(value) % 4)).decode()
         nanos, request_id = raw.split(":", 1)
-        if not re.fullmatch(r"-?[0-9]+", nanos) or not request_id:
+        # A request id is printable ASCII (a UUID, `<uuid>:<round>`): a NUL would reach PostgreSQL (a 500).
+        if not re.fullmatch(r"-?[0-9]+", nanos) or not re.fullmatch(r"[\x21-\x7e]{1,200}", request_id):
             raise ValueError(raw)
         ts = _EPOCH + timedelta(microseconds=int(nanos) // 1000)
     except (ValueError, OverflowError) as exc:
