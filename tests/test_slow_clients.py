@@ -61,8 +61,14 @@ def web(django_db_setup, django_db_blocker):
         except requests.RequestException:
             return False
 
+    def warmed() -> int:
+        return sum("web worker warmed up" in line for line in Path(log.name).read_text().splitlines())
+
     try:
         wait_for(up, 60, interval=0.3, what="gunicorn to answer /healthz")
+        # Every worker up before the first test runs (inside its lock): a worker still warming up while
+        # the suite's `alone` test restarts PostgreSQL would find no database for its catalog.
+        wait_for(lambda: warmed() >= WORKERS, 60, interval=0.05, what="every web worker to warm up")
         yield url, port, Path(log.name)
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
