@@ -93,7 +93,8 @@ def drf_exception_handler(exc, context):
             if response is None:
                 return None
             detail = response.data.get("detail") if isinstance(response.data, dict) else response.data
-            exc = RelayError(response.status_code, getattr(exc, "default_code", ""), str(detail))
+            kept = {k: v for k, v in response.items() if k in ("Allow", "WWW-Authenticate", "Retry-After")}
+            exc = RelayError(response.status_code, getattr(exc, "default_code", ""), str(detail), headers=kept)
         return AnthropicError.of(exc, with_code=True).response()
     if isinstance(exc, RelayError):
         return exc.response()
@@ -107,11 +108,15 @@ def drf_exception_handler(exc, context):
 # --- Anthropic's envelope: {"type": "error", "error": {"type", "message"}} -----------------------
 # Answered on the Anthropic routes, live and batch (relay.edge, relay.api.inference, batches).
 
-_ANTHROPIC_ROUTES = ("/v1/messages", "/anthropic/")
-
 
 def is_anthropic_path(path: str) -> bool:
-    return path.startswith(_ANTHROPIC_ROUTES)
+    """An Anthropic-shaped route: `/v1/messages…` under any prefix (`/anthropic/`, `/openai/`, none).
+    The prefix names no family (every live route is served under each): the path after it does."""
+    for prefix in ("/anthropic", "/openai"):
+        if path.startswith(prefix + "/"):
+            path = path[len(prefix) :]
+            break
+    return path.startswith("/v1/messages")
 
 
 _ANTHROPIC_ERROR_TYPES = {

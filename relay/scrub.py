@@ -47,7 +47,13 @@ _MAX_REMEMBERED = 10_000
 _MAX_DEPTH = 3
 _MAX_LAYERS = 4
 # A run this long may hold a secret of MIN_LENGTH bytes in base64 (8 bytes → 12 letters).
+_B64_MIN = 12
 _B64_RUN = re.compile(r"[A-Za-z0-9+/_-]{12,}={0,2}")
+# Base64 wrapped over lines: runs of letters joined by real line breaks or JSON's escaped ones.
+_LINE_BREAK = re.compile(r"\r?\n|\\r\\n|\\n")
+# (A first line of 16 letters or more, starting where a run starts: MIME and PEM lines are 64-76 long,
+# and the regex engine then skips ordinary words at once.)
+_B64_WRAPPED = re.compile(r"(?<![A-Za-z0-9+/_-])[A-Za-z0-9+/_-]{16,}(?:(?:\r?\n|\\r\\n|\\n)[A-Za-z0-9+/_-]{4,})+={0,2}")
 # Relay key secrets are never stored, so they are found by their shape (relay.crypto.new_relay_key).
 _RELAY_KEY_PREFIX = "sk-wr-"
 _RELAY_KEY_LETTERS = 32
@@ -129,8 +135,9 @@ _ESCAPE = re.compile(
     r"%([0-9a-fA-F]{2})"
     r"|\\u([0-9a-fA-F]{4})"
     r"|\\([\\/\"bfnrt])"
-    r"|&#[xX]([0-9a-fA-F]{1,6});"
-    r"|&#([0-9]{1,7});"
+    # HTML references as browsers read them: any zero padding, the `;` optional.
+    r"|&#[xX]0*([0-9a-fA-F]{1,6});?"
+    r"|&#0*([0-9]{1,7});?"
 )
 _JSON_SHORT = {"\\": "\\", "/": "/", '"': '"', "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
 # Only an escape of an ASCII character can be part of a secret (they are ASCII), and an escaped
@@ -170,7 +177,9 @@ def _b64_cores(value: str) -> set[str]:
 class _Matcher:
     def __init__(self, values: tuple[str, ...]):
         self.values = values
-        self.b64 = sorted({core for v in values for core in _b64_cores(v)}, key=len, reverse=True)
+        cores = sorted({core for v in values for core in _b64_cores(v)}, key=len, reverse=True)
+        # One pattern for every secret's base64 letters: a run is scanned once, not once per secret.
+        self.b64 = re.compile("|".join(map(re.escape, cores))) if cores else None
 
 
 def _matcher(load: bool) -> _Matcher:
@@ -261,19 +270,39 @@ def _find(text: str, m: _Matcher, depth: int) -> list[tuple[int, int]]:
 
 
 def _b64_spans(text: str, m: _Matcher, depth: int) -> list[tuple[int, int]]:
-    """Runs of base64 letters that hold a secret: its own letters at any alignment, or, decoded, a
-    secret in any form (base64 inside base64 to a depth of _MAX_DEPTH)."""
+    """Runs of base64 letters that hold a secret, redacted whole: its own letters at any alignment,
+    or, decoded, a secret in any form (base64 inside base64 to a depth of _MAX_DEPTH). A run is also
+    decoded from after each `/`, `_` or `-` in it (a path or a name glued to its front shifts its
+    alignment), and runs wrapped over lines (MIME, PEM, `\\n` in JSON) are joined first."""
     spans = []
     for run in _B64_RUN.finditer(text):
-        letters, start = run.group(0), run.start()
-        hits = [(start + a, start + b) for core in m.b64 for a, b in _occurrences(letters, core)]
-        if hits:
-            spans += hits
-        elif depth < _MAX_DEPTH:
-            decoded = _b64_decode(letters)
-            if decoded is not None and _find(decoded, m, depth + 1):
-                spans.append(run.span())
+        if _holds_secret(run.group(0), m, depth):
+            spans.append(run.span())
+    for run in _B64_WRAPPED.finditer(text):
+        if _holds_secret(_LINE_BREAK.sub("", run.group(0)), m, depth):
+            spans.append(run.span())
     return spans
+
+
+def _holds_secret(letters: str, m: _Matcher, depth: int) -> bool:
+    if m.b64 is not None and m.b64.search(letters):
+        return True
+    if depth >= _MAX_DEPTH or not _may_be_base64(letters):
+        return False
+    # A prefix glued to the front is short (a path, a name): separators past the first 64 letters are
+    # the base64url alphabet's own, and decoding from each would cost a pass per letter.
+    starts = [0] + [i + 1 for i, c in enumerate(letters[:64]) if c in "/_-" and len(letters) - i > _B64_MIN]
+    for start in starts:
+        decoded = _b64_decode(letters[start:])
+        if decoded is not None and _find(decoded, m, depth + 1):
+            return True
+    return False
+
+
+def _may_be_base64(letters: str) -> bool:
+    """Base64 of a dozen or more bytes of text has upper- and lower-case letters; an identifier such
+    as `completion_tokens` or a lower-case hex id does not, and is not decoded."""
+    return any(c.isupper() for c in letters) and any(c.islower() for c in letters)
 
 
 def _redact(text: str, m: _Matcher, depth: int = 0) -> str:

@@ -209,3 +209,18 @@ def test_the_demo_catalog_serves_v1_responses(fake):
     resp = post("/v1/responses", {"model": "gpt-4.1-mini", "input": "hello"}, **bearer(key))
     assert resp.status_code == 200, resp.content
     assert resp.json()["object"] == "response"
+
+
+def test_a_method_a_live_anthropic_route_lacks_is_405_in_anthropics_envelope_with_allow(catalog):
+    resp = Client().get("/v1/messages", HTTP_X_API_KEY=catalog.key)
+    assert resp.status_code == 405 and resp.json()["type"] == "error"
+    assert resp.json()["error"]["type"] == "invalid_request_error" and "POST" in resp["Allow"]
+
+
+def test_the_envelope_follows_the_route_not_its_prefix(catalog):
+    anthropic_shaped = post("/openai/v1/messages", MESSAGES)
+    assert anthropic_shaped.status_code == 401 and anthropic_shaped.json()["type"] == "error"
+    assert anthropic_shaped["Request-ID"] == anthropic_shaped["X-Request-ID"]
+    openai_shaped = post("/anthropic/v1/chat/completions", CHAT)
+    assert openai_shaped.status_code == 401 and "type" not in openai_shaped.json()
+    assert openai_shaped.json()["error"]["code"] and "Request-ID" not in openai_shaped

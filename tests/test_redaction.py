@@ -6,6 +6,7 @@ relay stored."""
 import base64
 import html
 import io
+import itertools
 import json
 import logging
 import re
@@ -59,10 +60,13 @@ def _layers(text: str, depth: int = 0) -> list[str]:
         if decoded != text and depth < 4:
             out += _layers(decoded, depth + 1)
     if depth < 4:
-        for run in re.findall(r"[A-Za-z0-9+/_=-]{12,}", text):
-            for alphabet in (base64.b64decode, base64.urlsafe_b64decode):
+        # Base64 wrapped over lines is one run to a reader; a prefix glued to a run is not part of it.
+        joined = re.sub(r"(?<=[A-Za-z0-9+/_=-])(?:\r?\n|\\n)(?=[A-Za-z0-9+/_-])", "", text)
+        for run in re.findall(r"[A-Za-z0-9+/_=-]{12,}", joined):
+            tails = [run] + [run[i + 1 :] for i, c in enumerate(run[:64]) if c in "/_-"]
+            for tail, alphabet in itertools.product(tails, (base64.b64decode, base64.urlsafe_b64decode)):
                 try:
-                    raw = alphabet(run.rstrip("=") + "=" * (-len(run.rstrip("=")) % 4))
+                    raw = alphabet(tail.rstrip("=") + "=" * (-len(tail.rstrip("=")) % 4))
                 except ValueError:
                     continue
                 out += _layers(raw.decode("latin-1"), depth + 1)
@@ -315,3 +319,57 @@ def test_scrub_secrets_cleans_stored_error_files_and_rows(catalog, fake):
     item = Item.objects.get(batch_id=native.id)
     assert not exposed(item.error) and not exposed(item.error_body)
     assert f.purpose == FilePurpose.BATCH_OUTPUT
+
+
+# --- forms a review found passing: a run holding a secret twice, a prefix glued to a run, wrapped
+# base64, HTML references without `;` or with long zero padding ---------------------------------------
+
+
+@pytest.mark.parametrize(
+    "form",
+    [
+        # one secret plain and another escaped in the same base64 run: the run goes whole
+        lambda k: base64.b64encode(f"{k} and {k.replace('-', chr(92) + 'u002d')}".encode()).decode(),
+        # a path glued to the front of base64url shifts its alignment
+        lambda k: (
+            "/files/x/"
+            + base64.urlsafe_b64encode(json.dumps({"k": k}).replace("-", "\\u002d").encode()).decode().rstrip("=")
+        ),
+        # base64 wrapped over lines, as MIME and PEM write it, and with JSON's escaped line breaks
+        lambda k: "\n".join(_chunks(base64.b64encode(f"Bearer {k} for the account".encode()).decode(), 16)),
+        lambda k: "\\n".join(_chunks(base64.b64encode(f"Bearer {k} for the account".encode()).decode(), 16)),
+        # HTML character references as a browser reads them
+        lambda k: k.replace("-", "&#45"),
+        lambda k: k.replace("-", "&#x000002d;"),
+    ],
+)
+def test_forms_found_in_review_are_redacted(form):
+    key = "sk-live-Review1234-abcdefghijkl"
+    scrub.forget_all()
+    scrub.remember(key)
+    try:
+        text = f"echo: {form(key)} end"
+        assert exposed(text, [key]), text  # the oracle reads the key in it
+        clean = scrub.scrub_text(text, load=False)
+        assert not exposed(clean, [key]), clean
+    finally:
+        scrub.forget_all()
+
+
+def _chunks(text: str, n: int) -> list[str]:
+    return [text[i : i + n] for i in range(0, len(text), n)]
+
+
+def test_ordinary_bodies_pass_unchanged():
+    scrub.forget_all()
+    scrub.remember("sk-live-Review1234-abcdefghijkl")
+    bodies = [
+        b'{"id": "chatcmpl-AbCdEfGhIjKlMnOp", "usage": {"completion_tokens": 12}, "x": "50% off &amp; more"}',
+        json.dumps({"content": "def f():\n    return 'a\\\\b'  # 100%\n" * 50}).encode(),
+        b"data: " + base64.b64encode(b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4),
+    ]
+    try:
+        for body in bodies:
+            assert scrub.scrub_bytes(body, load=False) == body
+    finally:
+        scrub.forget_all()

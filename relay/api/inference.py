@@ -55,11 +55,12 @@ class InferenceView(APIView):
                 reauthenticate=lambda snapshot: auth.authenticate(request._request, snapshot),
             )
         )
-        body = outcome.body
+        body, status = outcome.body, outcome.status
         if outcome.origin == "relay" and outcome.error is not None and is_anthropic_path(request.path):
-            # The relay's own refusal on an Anthropic route: in Anthropic's envelope, with the code.
-            body = json.dumps(AnthropicError.of(outcome.error, with_code=True).body()).encode()
-        response = HttpResponse(body, status=outcome.status, content_type="application/json")
+            # The relay's own refusal on an Anthropic route: in Anthropic's envelope (and status), with the code.
+            err = AnthropicError.of(outcome.error, with_code=True)
+            body, status = json.dumps(err.body()).encode(), err.status
+        response = HttpResponse(body, status=status, content_type="application/json")
         # The usage event is written once the answer has been sent (the WSGI server closes the
         # response after its last byte), so the caller does not wait for the INSERT.
         response._resource_closers.append(lambda: _record(outcome.event))
