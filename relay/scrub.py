@@ -13,9 +13,10 @@ in every form we know of:
   character references (`&#x2d;`, `&#45;`), mixed, and nested in one another: the text is decoded
   layer by layer as a reader would (`\\\\u002d`, a JSON string inside a JSON string, is `\\u002d`
   after one layer and `-` after two; `%252D` is `%2D`, then `-`), up to four layers;
-- base64 and base64url: a run of base64 letters is decoded and redacted whole when what it holds
-  has a secret in any of these forms (nested too, to a depth of 3); and a secret's own base64
-  letters at each of the three byte alignments are found inside longer runs;
+- base64 and base64url: a run of base64 letters is redacted whole when it holds a secret's own
+  base64 letters (at any of the three byte alignments), or when, decoded, it holds a secret in any
+  of these forms (nested too, to a depth of 3); it is also decoded from after a `/`, `_` or `-` near
+  its front (a path glued to it), and runs wrapped over lines are joined first;
 - and a JSON body is checked once more on its decoded form: each string value is decoded,
   redacted, and the body re-encoded when one of them held a secret the raw text did not show.
 
