@@ -18,7 +18,7 @@ from django.utils.html import format_html, format_html_join
 from batches import storage
 from batches.lifecycle import stop
 from batches.models import Attempt, Batch, File, Item, ItemState, Surface
-from batches.surfaces.anthropic import read as anthropic_read
+from batches.surfaces import registry
 from batches.surfaces.openai import read as openai_read
 from relay.admin_base import ViewOnlyAdmin
 
@@ -163,6 +163,7 @@ class BatchAdmin(ViewOnlyAdmin):
         "error_file",
         "metadata_view",
         "errors_view",
+        "api_object",
     ]
     inlines = [ItemInline]
     actions = ["cancel_batches"]
@@ -198,17 +199,22 @@ class BatchAdmin(ViewOnlyAdmin):
         if obj is not None and obj.surface == Surface.ANTHROPIC:
             sets.append(("Anthropic-compatible batch (Message Batches)", {"fields": self._anthropic_fields}))
         sets.append(("Owner", {"fields": owner}))
+        if obj is not None:
+            sets.append(("As its API shows it", {"fields": ("api_object",), "classes": ("collapse",)}))
         return sets
 
     def get_search_results(self, request, queryset, search_term):
-        term = search_term.strip()
-        if term.startswith("msgbatch_"):
-            pk = anthropic_read.parse_id(term)
-            return (queryset.filter(pk=pk) if pk is not None else queryset.none()), False
-        found = _search_public_id(queryset, search_term, "batch_")
-        if found is not None:
-            return found, False
+        # The id a client of any surface holds (UUID, batch_…, msgbatch_…) finds its batch.
+        pk = registry.find_id(search_term)
+        if pk is not None:
+            return queryset.filter(pk=pk), False
+        if search_term.strip().startswith(("batch_", "msgbatch_")):
+            return queryset.none(), False
         return super().get_search_results(request, queryset, search_term)
+
+    @admin.display(description="As its API shows it")
+    def api_object(self, obj):
+        return format_html("<pre>{}</pre>", json.dumps(registry.as_shown(obj), indent=2, default=str))
 
     def get_queryset(self, request):
         return (

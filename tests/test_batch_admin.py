@@ -60,3 +60,34 @@ def test_cancel_action(staff_client, batch):
     assert batch.status == "cancelled" and batch.completed_at is not None
     assert set(Item.objects.filter(batch=batch).values_list("state", flat=True)) == {"completed", "cancelled"}
     assert Batch.objects.get(pk=batch.pk).cancel_requested_at is not None
+
+
+def test_every_surfaces_batch_is_found_by_its_public_id_and_shown_as_its_api_shows_it(staff_client, batch, catalog):
+    import html
+
+    from batches import ingest
+    from batches.surfaces.anthropic import create as anthropic_create
+    from batches.surfaces.openai import create as openai_create
+
+    principal = auth.principal_for_key(catalog.key)
+    params = {"model": "claude-sonnet", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+    body = {"requests": [{"custom_id": "a", "params": params}]}
+    with ingest.read_submission(io.BytesIO(json.dumps(body).encode()), 10**8, 50) as sub:
+        anthropic = anthropic_create.create(principal, sub)
+    record = {"custom_id": "o", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "gpt-4o"}}
+    body = {"endpoint": "/v1/chat/completions", "completion_window": "24h", "requests": [record]}
+    with ingest.read_submission(io.BytesIO(json.dumps(body).encode()), 10**8, 50) as sub:
+        openai = openai_create.create(principal, sub)
+    changelist = reverse("admin:batches_batch_changelist")
+    for b, public, shown in (
+        (batch, str(batch.id), '"Status": "queued"'),
+        (openai, openai.public_id, '"object": "batch"'),
+        (anthropic, anthropic.public_id, '"type": "message_batch"'),
+    ):
+        found = staff_client.get(changelist, {"q": public}).content.decode()
+        assert str(b.id) in found and found.count("/change/") >= 1
+        others = {batch.id, openai.id, anthropic.id} - {b.id}
+        assert not any(str(other) in found for other in others)
+        page = html.unescape(staff_client.get(reverse("admin:batches_batch_change", args=[b.pk])).content.decode())
+        assert "As its API shows it" in page and shown in page and public in page
+    assert str(batch.id) not in staff_client.get(changelist, {"q": "msgbatch_" + "0" * 32}).content.decode()

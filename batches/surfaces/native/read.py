@@ -42,10 +42,9 @@ def counts(batch: Batch) -> dict:
     return {state: n for state, n in rows}
 
 
-def iter_status_json(batch: Batch) -> Iterator[bytes]:
-    """The spec's status object; its `items` list (one entry per item, 50,000 at most)
-    is streamed in chunks so polling a large batch costs constant memory."""
-    head = {
+def status_head(batch: Batch) -> dict:
+    """The spec's status object without its `items` list."""
+    return {
         "ID": str(batch.id),
         "RelayKeyHash": batch.owner_hash,
         "PolicyID": str(batch.policy_id or ""),
@@ -69,6 +68,12 @@ def iter_status_json(batch: Batch) -> Iterator[bytes]:
             else None
         ),
     }
+
+
+def iter_status_json(batch: Batch) -> Iterator[bytes]:
+    """The spec's status object; its `items` list (one entry per item, 50,000 at most)
+    is streamed in chunks so polling a large batch costs constant memory."""
+    head = status_head(batch)
     yield json.dumps(head)[:-1].encode() + b', "items": ['
     # Raw rows from a server-side cursor, 5,000 a time: no ORM row handling per item.
     item = Item._meta
