@@ -381,12 +381,6 @@ def scrub_headers(headers: dict, *, load: bool = True) -> dict:
     return {name: scrub_text(value, load=load) if isinstance(value, str) else value for name, value in headers.items()}
 
 
-def scrub_json(value, *, load: bool = True):
-    """A parsed JSON value (a result, an error body about to be stored) with every string redacted."""
-    clean, _ = _decoded_strings_clean(value, _matcher(load))
-    return clean
-
-
 class ScrubFilter(logging.Filter):
     """A logging filter (settings.LOGGING) that removes known secrets from every record."""
 

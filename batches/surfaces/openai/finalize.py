@@ -26,12 +26,11 @@ from batches import retention, storage
 from batches.lifecycle import states
 from batches.models import PENDING_STATES, Batch, BatchStatus, File, FilePurpose, Item, ItemState, Surface
 from batches.outcomes import Code, openai_code
+from batches.surfaces import common
 from batches.surfaces.openai.files import owner_columns
 
-PAGE = 1000
 EXPIRED_MESSAGE = "This request could not be executed before the completion window expired."
 CANCELLED_MESSAGE = "This request was cancelled before it completed."
-_NATIVE_PREFIXES = ("batch item: ", "batch: ")
 
 
 def finalize(batch_id) -> None:
@@ -100,20 +99,11 @@ class _ResultFile:
             self.writer.discard()
 
 
-_FIELDS = ("id", "idx", "custom_id", "state", "result_ref", "status_code", "error", "error_code", "error_body")
-
-
 def result_lines(batch: Batch):
     """(JSONL line, is_error) for every item, in input order, one page in memory at a time."""
-    last = -1
-    while True:
-        page = list(Item.objects.filter(batch_id=batch.pk, idx__gt=last).order_by("idx").values(*_FIELDS)[:PAGE])
-        if not page:
-            return
-        for row in page:
-            obj, failed = _line(batch, row)
-            yield json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n", failed
-        last = page[-1]["idx"]
+    for row in common.result_rows(batch):
+        obj, failed = _line(batch, row)
+        yield common.jsonl(obj), failed
 
 
 def _line(batch: Batch, row: dict) -> tuple[dict, bool]:
@@ -136,22 +126,8 @@ def _line(batch: Batch, row: dict) -> tuple[dict, bool]:
         response = {
             "status_code": row["status_code"],
             "request_id": str(item_id),
-            "body": _json_or_text(row["error_body"]),
+            "body": common.json_or(row["error_body"], lambda text: text),
         }
         return {**head, "response": response, "error": None}, True
     code = openai_code(row["error_code"])
-    return {**head, "response": None, "error": {"code": code, "message": _message(row["error"])}}, True
-
-
-def _json_or_text(text: str):
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
-
-
-def _message(error: str) -> str:
-    for prefix in _NATIVE_PREFIXES:
-        if error.startswith(prefix):
-            return error[len(prefix) :]
-    return error or "The request failed."
+    return {**head, "response": None, "error": {"code": code, "message": common.failure_message(row["error"])}}, True
