@@ -8,6 +8,7 @@ real pipeline against the fake upstream; PostgreSQL and Redis are real.
 
 import io
 import json
+import threading
 from datetime import timedelta
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from batches.surfaces.native import submit
 from batches.surfaces.openai import create as openai_create
 from batches.surfaces.openai import finalize, validation
 from batches.surfaces.openai import read as openai_read
+from batches.worker import bookkeeper as keeper
 from batches.worker import execute
 from relay import auth
 from relay.demo_upstream import Reply
@@ -275,7 +277,29 @@ def test_upstream_and_relay_side_failures_have_their_own_line_shapes(catalog, fa
 
 
 @runs_items
-def test_cancel_while_running_ends_cancelled_with_partial_results(catalog, fake):
+def _next_beat_far_off(settings) -> None:
+    """This process's bookkeeper beats its registered items every RELAY_BATCH_HEARTBEAT_SECONDS, at a
+    moment the test does not choose; a beat during the item would see the cancel and stop it. With
+    the interval made an hour, the bookkeeper's next beat is witnessed: the one after is an hour away."""
+    settings.RELAY_BATCH_HEARTBEAT_SECONDS = 3600
+    beaten = threading.Event()
+
+    class Witness:  # a registrant of the bookkeeper's, as a Heartbeat is
+        def should_stop(self) -> bool:
+            return False
+
+        def beat(self) -> None:
+            beaten.set()
+
+    thread, witness = keeper.bookkeeper(), Witness()
+    thread.register(witness)
+    try:
+        assert beaten.wait(10), "the bookkeeper did not beat"
+    finally:
+        thread.unregister(witness)
+
+
+def test_cancel_while_running_ends_cancelled_with_partial_results(catalog, fake, settings):
     batch = create(catalog, [record(f"r{i}") for i in range(4)])
     validation.validate(batch.id)
     running = claims.claim("test-runner")
@@ -285,6 +309,7 @@ def test_cancel_while_running_ends_cancelled_with_partial_results(catalog, fake)
     assert openai_read.request_counts(b) == {"total": 4, "completed": 0, "failed": 3}
     finalize.finalize(batch.id)  # a running item is still out there: not yet
     assert status(batch) == "cancelling"
+    _next_beat_far_off(settings)
     execute.run_item(running)  # it finishes (its heartbeat had not come round yet)
     finalize.finalize(batch.id)
     b = Batch.objects.get(pk=batch.pk)

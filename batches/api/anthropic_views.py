@@ -44,7 +44,7 @@ class _AnthropicView(APIView):
 class MessageBatchListView(_AnthropicView):
     def post(self, request):
         with intake.read(request._request) as submission:
-            batch = anthropic_read.shown(anthropic_create.create(request.user, submission).pk)
+            batch = anthropic_read.as_created(anthropic_create.create(request.user, submission))
         return JsonResponse(anthropic_read.serialize(batch, self.base_url(request)))
 
     def get(self, request):

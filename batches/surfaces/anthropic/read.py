@@ -50,6 +50,14 @@ def shown(batch_id) -> Batch:
     return with_counts(Batch.objects.filter(pk=batch_id)).get()
 
 
+def as_created(batch: Batch) -> Batch:
+    """The batch a create answers: as it was created (in_progress, every request processing), as
+    Anthropic answers. Read back after the commit, the workers the commit woke may already have
+    ended a small batch, and a create would answer `ended`."""
+    batch.n_succeeded = batch.n_errored = batch.n_stopped = batch.n_expired = 0
+    return batch
+
+
 def batches_page(principal: Principal, params) -> tuple[list[Batch], bool]:
     """GET /v1/messages/batches: newest first; `after_id` pages to older batches, `before_id` to newer
     ones; `limit` 1–1000 (default 20). Keyset on the UUIDv7 id: one index range scan per page."""
