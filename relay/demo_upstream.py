@@ -25,6 +25,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from relay.demo_batches import ProviderBatches
+
 DEMO_BANNER = "[relay demo upstream: canned reply, not a real model]"
 
 
@@ -38,6 +40,10 @@ class Reply:
     hang: bool = False  # accept and never answer (until the server stops)
     gate: threading.Event | None = None  # hold the answer until the test opens the gate
     raw: bytes | None = None  # the body byte for byte (a provider's own escaping), instead of `body`
+    # A streamed answer (`"stream": true`): seconds between two of its events, and a gate that holds
+    # every event after the first content one until the test opens it (a provider gone quiet mid-stream).
+    event_delay: float = 0.0
+    stream_gate: threading.Event | None = None
 
 
 def _tokens(text: str) -> int:
@@ -142,6 +148,126 @@ def canned(path: str, body: dict) -> dict:
     return {"error": {"message": f"unknown path {path}", "type": "invalid_request_error"}}
 
 
+# --- streamed answers: each provider's own server-sent events ---------------------------------------
+
+STREAMED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
+
+
+def _sse(data: dict, event: str | None = None) -> bytes:
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+def _deltas(text: str) -> list[str]:
+    """The answer in the pieces a model would stream: one word (and its space) each."""
+    words = text.split(" ")
+    return [w + " " for w in words[:-1]] + [words[-1]]
+
+
+def canned_events(path: str, body: dict) -> tuple[list[bytes], int]:
+    """The streamed form of `canned(path, body)`: (its events, the index of the first content event), in
+    the API's own event format with its own usage events. OpenAI's chunk shapes report usage in a final
+    chunk of their own only when `stream_options.include_usage` asks for it, as OpenAI does."""
+    whole = canned(path, body)
+    model = whole.get("model", "demo")
+    options = body.get("stream_options")
+    with_usage = isinstance(options, dict) and options.get("include_usage") is True
+    if path.endswith("/chat/completions") or path.endswith("/completions"):
+        chat = path.endswith("/chat/completions")
+        answer = whole["choices"][0]["message"]["content"] if chat else whole["choices"][0]["text"]
+        base = {"id": whole["id"], "object": "chat.completion.chunk" if chat else "text_completion"}
+        base.update(created=whole["created"], model=model)
+        extra = {"usage": None} if with_usage else {}
+
+        def chunk(piece: str | None, finish: str | None = None, role: bool = False) -> bytes:
+            if chat:
+                delta = {"role": "assistant", "content": ""} if role else ({"content": piece} if piece else {})
+                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish}
+            return _sse({**base, "choices": [choice], **extra})
+
+        events = [chunk(None, role=True)] if chat else []
+        first = len(events)
+        events += [chunk(piece) for piece in _deltas(answer)]
+        events.append(chunk(None, finish="stop"))
+        if with_usage:
+            events.append(_sse({**base, "choices": [], "usage": whole["usage"]}))
+        events.append(b"data: [DONE]\n\n")
+        return events, first
+    if path.endswith("/responses"):
+        answer = whole["output"][0]["content"][0]["text"]
+        text_part = {"type": "output_text", "text": "", "annotations": []}
+        item = {"id": "msg_demo", "type": "message", "status": "in_progress", "role": "assistant", "content": []}
+        shell = {
+            "id": whole["id"],
+            "object": "response",
+            "created_at": whole["created_at"],
+            "model": model,
+            "status": "in_progress",
+            "error": None,
+            "incomplete_details": None,
+            "instructions": None,
+            "metadata": {},
+            "output": [],
+            "parallel_tool_calls": True,
+            "temperature": 1.0,
+            "tool_choice": "auto",
+            "tools": [],
+            "top_p": 1.0,
+            "text": {"format": {"type": "text"}},
+            "usage": None,
+        }
+        done_part = dict(text_part, text=answer)
+        done_item = dict(item, status="completed", content=[done_part])
+        where = {"item_id": "msg_demo", "output_index": 0, "content_index": 0}
+        steps = [
+            ("response.created", {"response": shell}),
+            ("response.in_progress", {"response": shell}),
+            ("response.output_item.added", {"output_index": 0, "item": item}),
+            ("response.content_part.added", {**where, "part": text_part}),
+        ]
+        first = len(steps)
+        steps += [("response.output_text.delta", {**where, "delta": d, "logprobs": []}) for d in _deltas(answer)]
+        steps += [
+            ("response.output_text.done", {**where, "text": answer, "logprobs": []}),
+            ("response.content_part.done", {**where, "part": done_part}),
+            ("response.output_item.done", {"output_index": 0, "item": done_item}),
+            (
+                "response.completed",
+                {"response": dict(shell, status="completed", output=[done_item], usage=whole["usage"])},
+            ),
+        ]
+        return [_sse({"type": name, "sequence_number": i, **data}, name) for i, (name, data) in enumerate(steps)], first
+    if path.endswith("/messages"):
+        answer = whole["content"][0]["text"]
+        usage = whole["usage"]
+        start = {k: v for k, v in whole.items() if k not in ("content", "stop_reason", "usage")}
+        start.update(content=[], stop_reason=None, stop_sequence=None, usage=dict(usage, output_tokens=1))
+        steps = [
+            ("message_start", {"message": start}),
+            ("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}),
+            ("ping", {}),
+        ]
+        first = len(steps)
+        steps += [
+            ("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": d}}) for d in _deltas(answer)
+        ]
+        steps += [
+            ("content_block_stop", {"index": 0}),
+            (
+                "message_delta",
+                {
+                    "delta": {"stop_reason": "end_turn", "stop_sequence": None},
+                    "usage": {"output_tokens": usage["output_tokens"]},
+                },
+            ),
+            ("message_stop", {}),
+        ]
+        return [_sse({"type": name, **data}, name) for name, data in steps], first
+    raise ValueError(f"{path} does not stream")
+
+
 KNOWN_PATHS = (
     "/v1/chat/completions",
     "/v1/completions",
@@ -180,6 +306,8 @@ class DemoUpstream(ThreadingHTTPServer):
         self.rate_stats = {"ok": 0, "limited": 0}
         # Standing answers (tests): a request whose body contains the text always gets the reply.
         self.rules: list[list] = []  # [text, reply, times left (None: always)]
+        # The providers' batch APIs (OpenAI Files + Batches, Anthropic Message Batches): relay.demo_batches.
+        self.batches = ProviderBatches(self, canned, KNOWN_PATHS)
         self.stopping = threading.Event()
         self._thread = None
 
@@ -202,6 +330,7 @@ class DemoUpstream(ThreadingHTTPServer):
             self.rate_windows.clear()
             self.rate_stats = {"ok": 0, "limited": 0}
             self.rules.clear()
+        self.batches.reset()
 
     def answer_when(self, text: str, reply: Reply, times: int | None = None) -> None:
         """Requests whose raw body contains `text` get `reply`: every one, or the next `times` of them."""
@@ -280,6 +409,8 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
     def do_POST(self):
+        if self.server.batches.handles(self.path):
+            return self.server.batches.serve(self)
         srv = self.server
         length = int(self.headers.get("Content-Length") or 0)
         raw = self.rfile.read(length) if length else b""
@@ -297,6 +428,16 @@ class _Handler(BaseHTTPRequestHandler):
         finally:
             with srv.lock:
                 srv.in_flight -= 1
+
+    def do_GET(self):  # only the batch APIs answer GET
+        if self.server.batches.handles(self.path):
+            return self.server.batches.serve(self)
+        self.send_error(501, f"Unsupported method ({self.command!r})")
+
+    def do_DELETE(self):
+        if self.server.batches.handles(self.path):
+            return self.server.batches.serve(self)
+        self.send_error(501, f"Unsupported method ({self.command!r})")
 
     def _hold(self, event: threading.Event, timeout: float) -> bool:
         """Wait for `event`, noticing a client that closes the connection meanwhile (False), as a
@@ -342,9 +483,12 @@ class _Handler(BaseHTTPRequestHandler):
             srv.stopping.wait(reply.delay)
         if self.path not in KNOWN_PATHS and reply.body is None and reply.raw is None:
             reply = Reply(status=404, body={"error": {"message": f"no route {self.path}", "type": "not_found"}})
+        streamed = body.get("stream") is True and reply.body is None and reply.raw is None and reply.status == 200
         try:
+            if streamed and self.path in STREAMED_PATHS:
+                return self._stream(srv, reply, *canned_events(self.path, body))
             answer = reply.body if reply.body is not None else canned(self.path, body)
-        except (AttributeError, TypeError, ValueError):  # a malformed body: a provider answers 400, not a hang-up
+        except (AttributeError, TypeError, ValueError, KeyError):  # a malformed body: a provider answers 400
             reply = Reply(status=400)
             answer = {"error": {"message": "malformed request body", "type": "invalid_request_error"}}
         payload = reply.raw if reply.raw is not None else json.dumps(answer).encode()
@@ -364,6 +508,32 @@ class _Handler(BaseHTTPRequestHandler):
                 time.sleep(step)
         else:
             self.wfile.write(payload)
+
+    def _stream(self, srv: DemoUpstream, reply: Reply, events: list[bytes], first: int) -> None:
+        """The events as a provider sends them: `text/event-stream`, chunked, one write per event. A caller
+        that closes the connection mid-stream ends it (and counts in `closed_by_client`), as a provider
+        stops generating for a caller who left."""
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream; charset=utf-8")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.send_header("Cache-Control", "no-cache")
+        for name, value in reply.headers.items():
+            self.send_header(name, str(value))
+        self.end_headers()
+        try:
+            for i, event in enumerate(events):
+                if srv.stopping.is_set():
+                    return
+                if i and reply.event_delay:
+                    time.sleep(reply.event_delay)
+                if i == first + 1 and reply.stream_gate is not None and not self._hold(reply.stream_gate, 120):
+                    return  # the caller left while the stream was quiet (counted by _hold)
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
+            self.wfile.write(b"0\r\n\r\n")
+        except (BrokenPipeError, ConnectionResetError):
+            with srv.lock:
+                srv.closed_by_client += 1
+            self.close_connection = True
 
 
 def main():  # pragma: no cover - the embedded launcher runs it

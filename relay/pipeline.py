@@ -75,6 +75,8 @@ class Outcome:
     # The call failed for want of capacity (the policy's limit, every key benched or spent, an
     # upstream 429): seconds until there should be some, when known. Batch items wait this long.
     retry_after: float | None = None
+    # A streamed call whose provider answered 2xx: the stream, still unread (relay.streaming reads it).
+    stream: "Streamed | None" = None
 
     @property
     def ok(self) -> bool:
@@ -84,11 +86,84 @@ class Outcome:
 _RETRYABLE = {401: Failure.AUTH, 403: Failure.FORBIDDEN, 429: Failure.RATE_LIMITED}
 
 
+@dataclass
+class Streamed:
+    """What a streamed call holds while its body flows: the upstream stream, the key's tier and the
+    inbound reservations (charged the stream's tokens at its end), and what its usage event needs."""
+
+    response: upstream.UpstreamStream
+    reservations: tuple
+    key_hash: str
+    started: float
+    pricing: object | None
+    adapter: str  # the binding's: which provider's events these are
+    path: str  # the upstream path
+    settled: bool = False
+
+
 def dispatch(call: Call) -> Outcome:
+    return _dispatch_guarded(call, streamed=False)
+
+
+def dispatch_stream(call: Call) -> Outcome:
+    """`dispatch()` for a streamed call: routing, grant, limits, the key pick, breakers and fail-over are
+    all decided before the client sees a byte, exactly as for a call answered whole — a key that fails
+    before its first byte (no connection, 5xx, 429, 401/403) fails over to the next. On a 2xx the
+    outcome carries the open stream (`outcome.stream`); its usage event is complete only once
+    `finish_stream()` has been called with what the stream reported. Any other outcome is final, as
+    `dispatch()`'s."""
+    return _dispatch_guarded(call, streamed=True)
+
+
+def finish_stream(outcome: Outcome, tokens: Tokens, *, failure: str = "", stream_error: str = "") -> dict:
+    """The end of a streamed call (its last byte, a break, or the client hanging up): charge the held
+    limits with the tokens the provider reported, and complete the usage event with them. Once per
+    stream; returns the event's fields for usage.services.record_event.
+
+    `failure`: "" when the stream ended as the provider ended it; an upstream failure kind (network,
+    timeout, cancelled) when it broke; "client_gone" when the client hung up. A broken stream counts
+    against the key's breaker (the key's connection failed, as before a first byte); a client hanging
+    up says nothing about the key."""
+    held = outcome.stream
+    event = outcome.event
+    if held is None or held.settled:
+        return event
+    held.settled = True
+    tier, inbound = held.reservations
+    try:
+        tier.commit(input_tokens=_input_side(tokens), output_tokens=tokens.output)
+        inbound.commit(input_tokens=_input_side(tokens), output_tokens=tokens.output)
+        if failure == "network":
+            breaker.record_failure(held.key_hash, Failure.NETWORK)
+    except Exception:  # Redis gone at the end of a stream: the event is still recorded
+        log.exception("request %s: settling the stream's limits failed", event["request_id"])
+    kind, message = "", ""
+    if failure in ("client_gone", "cancelled"):  # cancelled: the watchdog saw the client's connection end
+        kind, message = "client_canceled", "the client closed the stream before its end"
+    elif failure:
+        text = _TRANSPORT_ERRORS.get(failure, _TRANSPORT_ERRORS["network"])[2]
+        kind, message = "upstream_stream_broken", f"the stream broke after its first byte: {text}"
+    elif stream_error:
+        kind, message = "upstream_stream_error", scrub.scrub_text(stream_error, load=False)
+    event.update(
+        duration_ms=int((time.monotonic() - held.started) * 1000),
+        error_kind=kind,
+        error_message=message[:500],
+        input_tokens=tokens.input,
+        output_tokens=tokens.output,
+        cache_read_tokens=tokens.cache_read,
+        cache_write_tokens=tokens.cache_write,
+        # What the provider reported is billed, however the stream ended.
+        cost_nano_usd=cost_nano_usd(held.pricing, tokens),
+    )
+    return event
+
+
+def _dispatch_guarded(call: Call, *, streamed: bool) -> Outcome:
     started = time.monotonic()
     ctx = {"attempts": 0, "route": None, "host_key": None}
     try:
-        return _dispatch(call, ctx, started)
+        return _dispatch(call, ctx, started, streamed)
     except RelayError as err:
         kind = err.code or "relay_error"
         ctx["retry_after"] = getattr(err, "retry_after", None)
@@ -163,13 +238,15 @@ def _same_generation(a, b) -> bool:
     return a is b or (a is not None and b is not None and a.gen == b.gen)
 
 
-def _dispatch(call: Call, ctx: dict, started: float) -> Outcome:
+def _dispatch(call: Call, ctx: dict, started: float, streamed: bool = False) -> Outcome:
     route, path, picks = _routed_and_picked(call, ctx)
+    send = upstream.open_stream if streamed else upstream.call
     body = dict(call.body, model=route.binding.upstream_name)
     body.pop("openrelay", None)  # relay-owned (tool config, …): never sent to a provider (decision 0013)
     payload = json.dumps(body).encode()
 
     inbound = picks.inbound
+    handed_over = False  # a stream holds the inbound reservation until its end (finish_stream)
 
     last_response: upstream.UpstreamResponse | None = None
     last_error: upstream.UpstreamError | None = None
@@ -183,7 +260,7 @@ def _dispatch(call: Call, ctx: dict, started: float) -> Outcome:
             ctx["attempts"] += 1
             ctx["host_key"] = key
             try:
-                resp = upstream.call(
+                resp = send(
                     adapters.upstream_url(route.host.base_url, path),
                     adapters.upstream_headers(route.adapter, key_value, call.inbound_headers),
                     payload,
@@ -202,6 +279,28 @@ def _dispatch(call: Call, ctx: dict, started: float) -> Outcome:
                 continue
             last_response, last_error = resp, None
             provider_limits.learn(cand.key_hash, resp.headers)
+            if 200 <= resp.status < 300 and streamed:
+                # The key answered: its breaker closes now (a half-open probe is answered before the first
+                # byte, not at the stream's end). Its tier and the inbound limit stay held while the stream
+                # runs (a concurrency limit counts it) and are charged its tokens at the end.
+                breaker.record_success(cand.key_hash)
+                handed_over = True
+                outcome = _finish(
+                    call,
+                    ctx,
+                    started,
+                    status=resp.status,
+                    body=b"",
+                    headers=_content_type(resp, "text/event-stream"),
+                    origin="upstream",
+                    error=None,
+                    error_kind="",
+                    event_status=resp.status,
+                )
+                outcome.stream = Streamed(
+                    resp, (tier, inbound), cand.key_hash, started, route.binding.pricing, route.adapter, path
+                )
+                return outcome
             if 200 <= resp.status < 300:
                 tokens = parse_usage(route.adapter, path, _json_or_empty(resp.body))
                 # Breaker closed, tier and inbound committed: one Redis round trip.
@@ -236,7 +335,8 @@ def _dispatch(call: Call, ctx: dict, started: float) -> Outcome:
             if failure is Failure.SERVER and not call.failover_on_server_error:
                 break  # the caller retries later, with backoff, rather than spread one failure over every key
     finally:
-        inbound.release()  # no-op after a commit
+        if not handed_over:
+            inbound.release()  # no-op after a commit
 
     if last_response is not None:
         # Every key tried answered 429: capacity is back when the soonest of them said.
@@ -364,8 +464,8 @@ def _passthrough_retry(resp: upstream.UpstreamResponse) -> dict:
     return {"Retry-After": header_seconds(seconds)} if seconds is not None else {}
 
 
-def _content_type(resp: upstream.UpstreamResponse) -> dict:
-    ct = {k.lower(): v for k, v in resp.headers.items()}.get("content-type", "application/json")
+def _content_type(resp: upstream.UpstreamResponse, default: str = "application/json") -> dict:
+    ct = {k.lower(): v for k, v in resp.headers.items()}.get("content-type", default)
     return {"Content-Type": ct}
 
 

@@ -9,6 +9,11 @@ connections leave most threads free and /healthz answers. In the full stack
 nginx (deploy/nginx.conf) buffers whole requests first, so gunicorn never sees
 a slow client at all.
 
+A streamed answer holds its thread until its last event, so THREADS is sized for streams
+(RELAY_WEB_THREADS, 256): 200 concurrent streams leave /healthz and whole answers prompt. Why
+threads rather than an ASGI or gevent worker, with the measurements:
+docs/decisions/0016-streaming-server-model.md.
+
 Memory (decision 0014): what one request may make a worker build is capped where bodies are parsed,
 a worker over RELAY_WEB_MAX_RSS_MB is recycled after the request that took it there, and every
 worker is recycled after MAX_REQUESTS (+ up to MAX_REQUESTS_JITTER, so the two seldom restart
@@ -23,11 +28,30 @@ user. Embedded mode keeps it in its state directory (relay.embedded).
 `python -m relay.webserver --bind 0.0.0.0:8080` runs it (compose.yaml, Dockerfile).
 """
 
+import itertools
 import os
 import sys
+import threading
 
 WORKERS = 2
-THREADS = 32
+# Threads per worker. A streamed answer holds its thread until its last event (seconds to minutes), so
+# the pool is sized for streams, not for the CPU: 200 concurrent streams must leave threads for /healthz
+# and for answers served whole (docs/decisions/0016-streaming-server-model.md has the measurements).
+# RELAY_WEB_THREADS sets it.
+DEFAULT_THREADS = 256
+# Of those, how many keep a database connection open between requests (CONN_MAX_AGE): as many as every
+# thread kept before streaming, so a pool sized for streams does not also size PostgreSQL's connections
+# (its default limit is 100). A thread beyond them closes its connection after each request; streams'
+# usage events go through one writer thread per worker (relay.streaming) and need none.
+PERSISTENT_DB_THREADS = 32
+
+
+def threads(env=None) -> int:
+    raw = (os.environ if env is None else env).get("RELAY_WEB_THREADS", "")
+    return int(raw) if raw.isascii() and raw.isdigit() and int(raw) > 0 else DEFAULT_THREADS
+
+
+THREADS = threads()
 # gunicorn's hard maximum; relay.edge answers a URL over RELAY_MAX_URL_CHARS with a JSON 414 first.
 LIMIT_REQUEST_LINE = 8190
 # Every worker is recycled after this many requests, plus a random share of the jitter: rare enough
@@ -54,7 +78,7 @@ def gunicorn_argv(python: str, bind: str, *, access_log: bool = True, control_so
         "--workers",
         str(WORKERS),
         "--threads",
-        str(THREADS),
+        str(threads()),
         "--timeout",
         "120",
         "--keep-alive",
@@ -90,12 +114,37 @@ def warm_up() -> None:
     from relay import processes, routing, upstream
 
     steps = (
+        ("db threads", _limit_persistent_connections),
         ("urls", lambda: get_resolver().url_patterns),
         ("catalog", routing.warm),
         ("upstream", upstream.warm),
         ("connection", connections.close_all),  # the main thread's: it serves no request
     )
     processes.run_warm_up(steps, logging.getLogger("relay.webserver"), what="web worker", first="request")
+
+
+_thread_slots = threading.local()
+_slots_taken = itertools.count()
+
+
+def _limit_persistent_connections() -> None:
+    """Past PERSISTENT_DB_THREADS threads of a worker, a thread closes its database connection when its
+    request has finished (after the answer's closers, so after a usage event's INSERT). The first threads
+    to serve a request keep theirs, as every thread did when the pool was 32 threads."""
+    from django.core.signals import request_finished
+
+    request_finished.connect(_close_surplus_connection, dispatch_uid="relay.webserver.db_threads")
+
+
+def _close_surplus_connection(**_) -> None:
+    slot = getattr(_thread_slots, "slot", None)
+    if slot is None:
+        slot = _thread_slots.slot = next(_slots_taken)
+    if slot >= PERSISTENT_DB_THREADS:
+        from django.db import connections
+
+        for connection in connections.all(initialized_only=True):
+            connection.close()
 
 
 def main() -> None:  # pragma: no cover - compose.yaml and the Dockerfile run it

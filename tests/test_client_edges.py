@@ -125,8 +125,9 @@ def test_live_anthropic_errors_are_in_anthropics_envelope(catalog, fake, prefix)
     assert unknown.status_code == 404, unknown.content
     assert unknown.json()["type"] == "error" and unknown.json()["error"]["type"] == "not_found_error"
     assert unknown.json()["error"]["code"] == "model_not_found"
-    streamed = post(path, dict(MESSAGES, stream=True), HTTP_X_API_KEY=catalog.key)
-    assert streamed.status_code == 400 and streamed.json()["type"] == "error"
+    streamed = post(f"{path}/count_tokens", dict(MESSAGES, stream=True), HTTP_X_API_KEY=catalog.key)
+    assert streamed.status_code == 400 and streamed.json()["type"] == "error"  # counting does not stream
+    assert streamed.json()["error"]["type"] == "invalid_request_error"
     upstream = post(path, MESSAGES, HTTP_X_API_KEY=catalog.key)  # the provider's own answers pass as they are
     assert upstream.status_code == 200
 

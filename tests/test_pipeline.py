@@ -112,8 +112,9 @@ def test_wrong_shape_for_binding_is_400(relay, fake):
     assert fake.received == []
 
 
-def test_stream_true_is_a_clear_400(relay, fake):
-    resp = relay.post("/v1/chat/completions", dict(CHAT, stream=True))
+def test_stream_true_on_a_route_that_does_not_stream_is_a_clear_400(relay, fake):
+    # Chat completions, responses and messages stream (tests/test_streaming.py); embeddings do not.
+    resp = relay.post("/v1/embeddings", {"model": "gpt-4o", "input": "x", "stream": True})
     assert resp.status_code == 400
     assert error_of(resp)["code"] == "streaming_unsupported" and "stream" in error_of(resp)["message"]
     assert fake.received == []

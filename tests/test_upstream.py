@@ -191,7 +191,7 @@ def test_poke_has_a_cancel_seen_without_waiting_for_the_poll(raw, monkeypatch):
     """The watchdog looks at cancel callbacks when poked (the batch heartbeat pokes when it finds its
     item cancelled); with the poll pushed out of reach, only the poke can stop this call before its
     deadline."""
-    monkeypatch.setattr(upstream, "_CANCEL_POLL", 3600)
+    monkeypatch.setattr(upstream.watch, "_CANCEL_POLL", 3600)  # the watchdog reads it there
     srv = raw("slow")
     flag = threading.Event()
 

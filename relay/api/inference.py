@@ -1,4 +1,4 @@
-"""Live (non-streaming) inference endpoints. Thin: authenticate, read, dispatch, record, answer."""
+"""Live inference endpoints, answered whole or streamed. Thin: authenticate, read, dispatch, record, answer."""
 
 import json
 import logging
@@ -6,11 +6,11 @@ import time
 
 import uuid6
 from django.conf import settings
-from django.http import HttpResponse
+from django.http import HttpResponse, StreamingHttpResponse
 from rest_framework.negotiation import BaseContentNegotiation
 from rest_framework.views import APIView
 
-from relay import auth, pipeline
+from relay import auth, pipeline, streaming
 from relay.api.authentication import LiveCredentialAuthentication
 from relay.edge import stamp_request_id
 from relay.errors import AnthropicError, RelayError, is_anthropic_path
@@ -36,25 +36,35 @@ class InferenceView(APIView):
     def post(self, request, *args, **kwargs):
         principal = request.user
         body = parse_json_object(read_body(request._request, settings.RELAY_MAX_REQUEST_BYTES))
-        if body.get("stream") is True:
-            raise RelayError(
-                400, "streaming_unsupported", 'streaming is not supported yet: send the request without "stream": true'
-            )
+        streamed = body.get("stream") is True
+        client_counts_usage = True
+        cancel = None
+        if streamed:
+            if self.upstream_path not in streaming.STREAMED_PATHS:
+                message = f'{self.upstream_path} does not stream: send the request without "stream": true'
+                raise RelayError(400, "streaming_unsupported", message)
+            body, client_counts_usage = streaming.upstream_body(self.upstream_path, body)
+            sock = request._request.META.get("gunicorn.socket")
+            if sock is not None:
+                # A client that hangs up while the provider is silent is noticed by the upstream watchdog.
+                cancel = lambda: streaming.client_gone(sock)  # noqa: E731
         # The edge's id for this request (relay.edge), so the log line, the answer and the usage event agree.
         request_id = getattr(request._request, "relay_request_id", None) or str(uuid6.uuid7())
-        outcome = pipeline.dispatch(
-            pipeline.Call(
-                path=self.upstream_path,
-                body=body,
-                principal=principal,
-                source="live",
-                request_id=request_id,
-                deadline=time.monotonic() + settings.RELAY_UPSTREAM_DEADLINE,
-                inbound_headers=dict(request.headers),
-                credential_snapshot=request.auth,
-                reauthenticate=lambda snapshot: auth.authenticate(request._request, snapshot),
-            )
+        call = pipeline.Call(
+            path=self.upstream_path,
+            body=body,
+            principal=principal,
+            source="live",
+            request_id=request_id,
+            deadline=time.monotonic() + settings.RELAY_UPSTREAM_DEADLINE,
+            inbound_headers=dict(request.headers),
+            cancel=cancel,
+            credential_snapshot=request.auth,
+            reauthenticate=lambda snapshot: auth.authenticate(request._request, snapshot),
         )
+        outcome = pipeline.dispatch_stream(call) if streamed else pipeline.dispatch(call)
+        if outcome.stream is not None:
+            return self._streamed(request, outcome, client_counts_usage)
         body, status = outcome.body, outcome.status
         if outcome.origin == "relay" and outcome.error is not None and is_anthropic_path(request.path):
             # The relay's own refusal on an Anthropic route: in Anthropic's envelope (and status), with the code.
@@ -66,6 +76,22 @@ class InferenceView(APIView):
         response._resource_closers.append(lambda: _record(outcome.event))
         for name, value in outcome.headers.items():
             response[name] = str(value)
+        response["X-WR-Origin"] = outcome.origin
+        stamp_request_id(request._request, response)
+        return response
+
+    def _streamed(self, request, outcome: pipeline.Outcome, client_counts_usage: bool) -> StreamingHttpResponse:
+        held = outcome.stream
+        events = streaming.Events(held.adapter, held.path, strip_usage_chunk=not client_counts_usage)
+        # The usage event is queued when the stream ends (or the client hangs up), for the writer thread.
+        response = StreamingHttpResponse(
+            streaming.relay(outcome, events, streaming.record_later), status=outcome.status
+        )
+        for name, value in outcome.headers.items():
+            response[name] = str(value)
+        response["Cache-Control"] = "no-cache"
+        # nginx (the full stack's proxy) would buffer the events otherwise.
+        response["X-Accel-Buffering"] = "no"
         response["X-WR-Origin"] = outcome.origin
         stamp_request_id(request._request, response)
         return response

@@ -1,0 +1,30 @@
+"""What a provider call gives back: its answer (`UpstreamResponse`) or its failure (`UpstreamError`), and the
+size an answer may reach. Shared by every module of the package; imports none of them."""
+
+from dataclasses import dataclass, field
+
+MAX_RESPONSE_BYTES = 64 * 1024 * 1024
+_CHUNK = 64 * 1024
+
+
+@dataclass
+class UpstreamResponse:
+    status: int
+    headers: dict = field(default_factory=dict)
+    body: bytes = b""
+
+
+class UpstreamError(Exception):
+    """No usable HTTP answer. `kind` drives breaker and failover decisions:
+
+    - unreachable: connect/DNS/TLS failure — never trips a key breaker;
+    - network: the connection broke after it was made;
+    - timeout: the total deadline passed;
+    - cancelled: the caller's cancel callback said stop;
+    - too_large: the answer exceeded MAX_RESPONSE_BYTES.
+    """
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+        self.message = message

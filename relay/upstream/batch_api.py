@@ -1,0 +1,36 @@
+"""The providers' batch APIs (Files, Batches): `exchange()`, used by batches/provider/wire.py."""
+
+import requests
+
+from relay.upstream.base import MAX_RESPONSE_BYTES, UpstreamError
+from relay.upstream.transport import _shared_session
+
+# --- the batch APIs' calls (batches/provider/) ---------------------------------------------------
+# Provider batch jobs talk to the providers' Files and Batches APIs from the control worker: uploads of up to
+# 200 MB read from a file, results streamed line by line. They go through the same session (its pools, no
+# proxies from the environment) with explicit timeouts; they are not a live call's budget or watchdog.
+
+BATCH_API_TIMEOUT = (10.0, 120.0)  # (connect, per read) seconds
+
+
+def exchange(method: str, url: str, *, headers: dict, data=None, stream: bool = False) -> requests.Response:
+    """One call of a provider's batch API: `data` bytes or a file object (sent as it is read). With `stream`,
+    the caller reads the body (`iter_lines`) and must close the response. Raises UpstreamError (unreachable,
+    network) when no HTTP answer came; an HTTP error status is the caller's to read."""
+    try:
+        resp = _shared_session().request(
+            method,
+            url,
+            headers=headers,
+            data=data,
+            timeout=BATCH_API_TIMEOUT,
+            allow_redirects=False,
+            stream=stream,
+        )
+    except requests.ConnectionError as exc:
+        raise UpstreamError("unreachable", f"{type(exc).__name__}: {exc}") from exc
+    except requests.RequestException as exc:
+        raise UpstreamError("network", f"{type(exc).__name__}: {exc}") from exc
+    if not stream and len(resp.content) > MAX_RESPONSE_BYTES:
+        raise UpstreamError("too_large", f"upstream answer exceeds {MAX_RESPONSE_BYTES} bytes")
+    return resp
