@@ -18,6 +18,7 @@ from django.utils.html import format_html, format_html_join
 from batches import storage
 from batches.lifecycle import stop
 from batches.models import Attempt, Batch, File, Item, ItemState, Surface
+from batches.provider.admin import ProviderJobInline  # registers the provider jobs' admin too
 from batches.surfaces import registry
 from batches.surfaces.openai import read as openai_read
 from relay.admin_base import ViewOnlyAdmin
@@ -165,7 +166,7 @@ class BatchAdmin(ViewOnlyAdmin):
         "errors_view",
         "api_object",
     ]
-    inlines = [ItemInline]
+    inlines = [ItemInline, ProviderJobInline]
     actions = ["cancel_batches"]
 
     def get_fieldsets(self, request, obj=None):
@@ -306,8 +307,20 @@ class AttemptInline(admin.TabularInline):
 @admin.register(Item)
 class ItemAdmin(ViewOnlyAdmin):
     inlines = [AttemptInline]
-    list_display = ("batch", "idx", "custom_id", "state", "attempt", "retries", "status_code", "error", "finished_at")
-    list_filter = ("state",)
+    list_display = (
+        "batch",
+        "idx",
+        "custom_id",
+        "state",
+        "attempt",
+        "retries",
+        "status_code",
+        "error",
+        "finished_at",
+        "provider_job",
+        "placement",
+    )
+    list_filter = ("state", "placement")
     search_fields = ("id", "batch__id", "custom_id", "error")
     list_select_related = ("batch",)
     show_full_result_count = False
@@ -328,6 +341,8 @@ class ItemAdmin(ViewOnlyAdmin):
         "status_code",
         "error_code",
         "error",
+        "provider_job",
+        "placement",
         "request",
         "response",
         "upstream_error_body",

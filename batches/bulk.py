@@ -39,6 +39,8 @@ COLUMNS = (
     "custom_id",
     "error_code",
     "finished_at",
+    "provider_job_id",
+    "placement",
 )
 _DEFAULTS = {
     "attempt": Item._meta.get_field("attempt").default,
@@ -51,6 +53,8 @@ _DEFAULTS = {
     "custom_id": "",
     "error_code": "",
     "finished_at": None,
+    "provider_job_id": None,
+    "placement": "",
 }
 _ESCAPES = str.maketrans({"\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r"})
 
@@ -136,8 +140,9 @@ class _RowStream:
         return "".join(out)
 
 
-def copy_new_items(batch_id, rows: Iterable[tuple[int, str, str]], *, max_attempts: int, stream: bool = True) -> int:
-    """Insert a batch's new items, `available`, from (idx, input_ref, custom_id) rows; return how many.
+def copy_new_items(batch_id, rows: Iterable[tuple], *, max_attempts: int, stream: bool = True) -> int:
+    """Insert a batch's new items, `available`, from (idx, input_ref, custom_id) rows; return how many. A row
+    may carry a fourth element, a Placement (batches/provider/placement.py): its state, job and note.
 
     `rows` may be lazy (reading the input, writing the payload as it goes). With `stream` (the
     default), on PostgreSQL they feed one COPY while they are produced, so producing a row must not
@@ -152,18 +157,25 @@ def copy_new_items(batch_id, rows: Iterable[tuple[int, str, str]], *, max_attemp
     values = {**_DEFAULTS, "state": "available", "max_attempts": max_attempts}
     mid1 = "\t".join(_text(values[c]) for c in COLUMNS[3:8])  # state … lease_owner
     mid2 = "\t".join(_text(values[c]) for c in COLUMNS[9:12])  # result_ref, error, error_body
-    tail = "\t".join(_text(values[c]) for c in COLUMNS[13:])  # error_code, finished_at
+    tail = "\t".join(_text(values[c]) for c in COLUMNS[13:])  # error_code, finished_at, provider_job_id, placement
+    rest = "\t".join(_text(values[c]) for c in COLUMNS[4:8])  # attempt … lease_owner
+    error_tail = "\t".join(_text(values[c]) for c in COLUMNS[13:15])  # error_code, finished_at
     count = 0
 
     def lines():
         nonlocal count
         ids: list[str] = []
-        for idx, ref, custom_id in rows:
+        for row in rows:
+            idx, ref, custom_id = row[0], row[1].translate(_ESCAPES), row[2].translate(_ESCAPES)
             if not ids:
                 ids = _uuid7_strs(_BLOCK)
                 ids.reverse()
             count += 1
-            ref, custom_id = ref.translate(_ESCAPES), custom_id.translate(_ESCAPES)
+            if len(row) > 3 and row[3] is not None:  # placed at a provider, or in the relay with a note
+                p = row[3]
+                head = f"{ids.pop()}\t{batch}\t{idx}\t{p.state}\t{rest}\t{ref}\t{mid2}\t{custom_id}\t{error_tail}"
+                yield f"{head}\t{_text(p.job_id)}\t{_text(p.note)}\n"
+                continue
             yield f"{ids.pop()}\t{batch}\t{idx}\t{mid1}\t{ref}\t{mid2}\t{custom_id}\t{tail}\n"
 
     sql = f"COPY {Item._meta.db_table} ({_column_names()}) FROM STDIN"
@@ -190,13 +202,14 @@ def copy_new_items(batch_id, rows: Iterable[tuple[int, str, str]], *, max_attemp
 
 def _create_new_items(batch_id, rows, max_attempts: int) -> int:
     count, block = 0, []
-    for idx, ref, custom_id in rows:
+    for row in rows:
+        idx, ref, custom_id = row[:3]
         if not count % _BLOCK:
             ids = _uuid7_strs(_BLOCK)
-        values = {**_DEFAULTS, "max_attempts": max_attempts, "custom_id": custom_id}
-        block.append(
-            Item(**values, id=ids[count % _BLOCK], batch_id=batch_id, idx=idx, state="available", input_ref=ref)
-        )
+        values = {**_DEFAULTS, "max_attempts": max_attempts, "custom_id": custom_id, "state": "available"}
+        if len(row) > 3 and row[3] is not None:
+            values["state"], values["provider_job_id"], values["placement"] = row[3].state, row[3].job_id, row[3].note
+        block.append(Item(**values, id=ids[count % _BLOCK], batch_id=batch_id, idx=idx, input_ref=ref))
         count += 1
         if len(block) >= _BLOCK:
             Item.objects.bulk_create(block)

@@ -125,13 +125,15 @@ class Shape(models.TextChoices):
 class ItemState(models.TextChoices):
     AVAILABLE = "available"
     RUNNING = "running"
+    # At the provider: sent (or about to be) in a provider batch job (batches/provider/); no worker claims it.
+    DELEGATED = "delegated"
     COMPLETED = "completed"
     DISCARDED = "discarded"
     CANCELLED = "cancelled"
 
 
 FINAL_STATES = (ItemState.COMPLETED, ItemState.DISCARDED, ItemState.CANCELLED)
-PENDING_STATES = (ItemState.AVAILABLE, ItemState.RUNNING)
+PENDING_STATES = (ItemState.AVAILABLE, ItemState.RUNNING, ItemState.DELEGATED)
 
 
 class Batch(models.Model):
@@ -332,10 +334,21 @@ class Item(models.Model):
     # Why the item failed, from batches.outcomes.Code, recorded where it failed ("" until it does).
     # (No `choices`: the admin and the API show the code itself, not a label; its type guards the set.)
     error_code = ErrorCodeField(max_length=64, blank=True, default="")
+    # Provider batch mode (batches/provider/): the job that carries (or carried) this record to the provider's
+    # batch API; null for a record the relay runs. `placement`: why a record of a binding that asks for the
+    # provider runs in the relay instead ("" when it runs where its binding says).
+    provider_job = models.ForeignKey(
+        "batches.ProviderJob", null=True, blank=True, on_delete=models.SET_NULL, related_name="+", db_index=False
+    )
+    placement = models.CharField(max_length=32, blank=True, default="")
 
     class Meta:
         constraints = [
             models.UniqueConstraint(fields=["batch", "idx"], name="uniq_item_idx"),
+            # A delegated item always names its job.
+            models.CheckConstraint(
+                condition=~Q(state="delegated") | Q(provider_job__isnull=False), name="item_delegated_has_job"
+            ),
             # "custom_id must be unique in the batch" (native items have none).
             models.UniqueConstraint(
                 fields=["batch", "custom_id"], condition=~Q(custom_id=""), name="uniq_item_custom_id"
@@ -358,6 +371,8 @@ class Item(models.Model):
             models.Index(fields=["batch"], name="item_running", condition=Q(state="running")),
             models.Index(fields=["lease_expires_at"], name="item_lease", condition=Q(state="running")),
             models.Index(fields=["batch", "state"], name="item_batch_state"),
+            # A job's records still at the provider, in order (results, cancel, the job's input file).
+            models.Index(fields=["provider_job", "idx"], name="item_delegated", condition=Q(state="delegated")),
         ]
 
     def __str__(self):
@@ -467,3 +482,6 @@ class Payload(models.Model):
 
     def __str__(self):
         return self.key
+
+
+from batches.provider.models import ProviderJob  # noqa: E402,F401 - registered with this app

@@ -12,6 +12,7 @@ from batches import dispatch, retrying
 from batches.lifecycle import finish, stop
 from batches.models import Attempt, Batch, BatchStatus, Surface
 from batches.outcomes import Code
+from batches.provider import jobs as provider_jobs
 from batches.worker.execute import batch_of, event_without_dispatch
 from usage.services import record_event
 
@@ -31,6 +32,7 @@ def sweep() -> dict:
     expired = _step("expire", lambda: stop.expire_due(now))
     _step("lost validations", lambda: _redispatch_lost_validations(stale))
     _step("unfinished batches", lambda: _finish_unfinished(stale))
+    _step("provider jobs", provider_jobs.due_jobs)  # a job's lost message or run-out lease (batches/provider/)
     woken = _step("wake", dispatch.wake_workers)
     return {"rescued": rescued, "discarded": discarded, "expired": expired, "woken": woken}
 

@@ -3,6 +3,7 @@
 from celery import shared_task
 
 from batches import dispatch, sweeper
+from batches.provider import jobs as provider_jobs
 from batches.surfaces.openai import finalize, validation
 from batches.worker import drain as worker_drain
 
@@ -34,6 +35,18 @@ def validate_openai_batch(batch_id: str) -> None:
 @shared_task(name="batches.tasks.finalize_openai_batch", ignore_result=True, acks_late=True)
 def finalize_openai_batch(batch_id: str) -> None:
     finalize.finalize(batch_id)
+
+
+# Provider batch mode (batches/provider/): one task takes a job one step on (send, find, poll, results);
+# another stops a cancelled or expired batch's jobs. Both idempotent: each step takes its job first.
+@shared_task(name="batches.tasks.provider_job", ignore_result=True, acks_late=True)
+def provider_job(job_id: str) -> None:
+    provider_jobs.advance(job_id)
+
+
+@shared_task(name="batches.tasks.provider_cancel", ignore_result=True, acks_late=True)
+def provider_cancel(batch_id: str) -> None:
+    provider_jobs.cancel_jobs(batch_id)
 
 
 @shared_task(name="batches.tasks.retention", ignore_result=True)

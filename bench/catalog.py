@@ -64,6 +64,24 @@ def seed_catalog(upstream_url: str) -> str:
     return plaintext
 
 
+def add_batch_binding(name: str, batch_mode: str) -> None:
+    """A model `name` bound like gpt-4o (host openai on the fake upstream, same upstream model and pricing) whose
+    batch records run where `batch_mode` says (relay | provider | auto: batches/provider/placement.py). The
+    policy grants `*`, so the relay key of `seed_catalog` may use it."""
+    from relay.models import HostBinding, LLMModel
+
+    source = HostBinding.objects.select_related("host", "pricing").get(model__name=MODEL)
+    model = LLMModel.objects.create(name=name, provider="openai")
+    HostBinding.objects.create(
+        model=model,
+        host=source.host,
+        adapter=source.adapter,
+        upstream_name=source.upstream_name,
+        pricing=source.pricing,
+        batch_mode=batch_mode,
+    )
+
+
 # --- request bodies --------------------------------------------------------------------------------
 
 _WORDS = (
@@ -72,10 +90,10 @@ _WORDS = (
 ).split()
 
 
-def chat_body(i: int, size: int = 0) -> dict:
+def chat_body(i: int, size: int = 0, model: str = MODEL) -> dict:
     """A realistic chat request; with `size`, padded so its compact JSON is about `size` bytes."""
     body = {
-        "model": MODEL,
+        "model": model,
         "messages": [
             {"role": "system", "content": "You are a careful assistant. Answer briefly."},
             {"role": "user", "content": f"Ticket {i}: "},

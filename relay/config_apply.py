@@ -14,7 +14,18 @@ from django.db import transaction
 
 from policies.models import KeySelection, Meter, Policy, PolicyHostKey, RateLimit, RateLimitRule, Strategy
 from relay import crypto
-from relay.models import Adapter, Host, HostBinding, HostKey, LLMModel, Pricing, Project, ServiceAccount, Team
+from relay.models import (
+    Adapter,
+    BatchMode,
+    Host,
+    HostBinding,
+    HostKey,
+    LLMModel,
+    Pricing,
+    Project,
+    ServiceAccount,
+    Team,
+)
 
 TOP_LEVEL = (
     "teams",
@@ -239,7 +250,7 @@ def _model(e, report, where):
 
 @_wrap_validation
 def _pricing(e, report, where):
-    fields = ("input", "output", "cache_read", "cache_write")
+    fields = ("input", "output", "cache_read", "cache_write", "batch_input", "batch_output")
     _allowed(e, "name", *fields)
     values = {f"{f}_nanos_per_mtok": _usd_per_mtok_to_nanos(e.get(f), f) for f in fields}
     _upsert(Pricing, {"name": _required(e, "name")}, values, report, f"pricing {e['name']}")
@@ -247,7 +258,7 @@ def _pricing(e, report, where):
 
 @_wrap_validation
 def _binding(e, report, where):
-    _allowed(e, "model", "host", "adapter", "upstream_name", "pricing", "enabled")
+    _allowed(e, "model", "host", "adapter", "upstream_name", "pricing", "enabled", "batch_mode")
     model = _ref(LLMModel, str(_required(e, "model")), "model")
     host = _ref(Host, _required(e, "host"), "host")
     pricing = _ref(Pricing, e["pricing"], "pricing") if e.get("pricing") else None
@@ -256,6 +267,7 @@ def _binding(e, report, where):
         "upstream_name": str(e.get("upstream_name") or model.name),
         "pricing": pricing,
         "enabled": _bool(e, "enabled", True),
+        "batch_mode": _choice(e.get("batch_mode", BatchMode.RELAY), BatchMode, "batch_mode"),
     }
     _upsert(HostBinding, {"model": model, "host": host}, values, report, f"binding {model.name}@{host.name}")
 

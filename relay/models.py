@@ -105,6 +105,10 @@ class Pricing(models.Model):
     output_nanos_per_mtok = models.BigIntegerField(null=True, blank=True)
     cache_read_nanos_per_mtok = models.BigIntegerField(null=True, blank=True)
     cache_write_nanos_per_mtok = models.BigIntegerField(null=True, blank=True)
+    # What the provider charges for a record run through its own batch API (usage.pricing.provider_batch_cost):
+    # null means half the live rate, the OpenAI and Anthropic batch price (docs/provider-batches.md).
+    batch_input_nanos_per_mtok = models.BigIntegerField(null=True, blank=True)
+    batch_output_nanos_per_mtok = models.BigIntegerField(null=True, blank=True)
 
     objects = CatalogQuerySet.as_manager()  # bulk writes bump the catalog generation
 
@@ -117,6 +121,8 @@ class Pricing(models.Model):
                     & (Q(output_nanos_per_mtok__isnull=True) | Q(output_nanos_per_mtok__gte=0))
                     & (Q(cache_read_nanos_per_mtok__isnull=True) | Q(cache_read_nanos_per_mtok__gte=0))
                     & (Q(cache_write_nanos_per_mtok__isnull=True) | Q(cache_write_nanos_per_mtok__gte=0))
+                    & (Q(batch_input_nanos_per_mtok__isnull=True) | Q(batch_input_nanos_per_mtok__gte=0))
+                    & (Q(batch_output_nanos_per_mtok__isnull=True) | Q(batch_output_nanos_per_mtok__gte=0))
                 ),
                 name="pricing_rates_not_negative",
             )
@@ -132,6 +138,15 @@ class Adapter(models.TextChoices):
     ANTHROPIC = "anthropic", "anthropic (Messages API)"
 
 
+class BatchMode(models.TextChoices):
+    """Where a binding's batch records run (batches/provider/placement.py): in the relay's own workers, at the
+    provider's batch API (its price and its separate quota), or there when the record can go."""
+
+    RELAY = "relay"
+    PROVIDER = "provider"
+    AUTO = "auto"
+
+
 class HostBinding(models.Model):
     model = models.ForeignKey(LLMModel, on_delete=models.CASCADE, related_name="bindings")
     host = models.ForeignKey(Host, on_delete=models.CASCADE, related_name="bindings")
@@ -139,12 +154,16 @@ class HostBinding(models.Model):
     upstream_name = models.CharField(max_length=200)
     pricing = models.ForeignKey(Pricing, null=True, blank=True, on_delete=models.SET_NULL)
     enabled = models.BooleanField(default=True)
+    batch_mode = models.CharField(max_length=16, choices=BatchMode.choices, default=BatchMode.RELAY)
 
     objects = CatalogQuerySet.as_manager()  # bulk writes bump the catalog generation
 
     class Meta:
         constraints = [
             models.UniqueConstraint(fields=["model", "host"], name="uniq_binding_model_host"),
+            models.CheckConstraint(
+                condition=Q(batch_mode__in=[m.value for m in BatchMode]), name="binding_batch_mode_valid"
+            ),
             models.CheckConstraint(condition=Q(adapter__in=[a.value for a in Adapter]), name="binding_adapter_valid"),
         ]
 

@@ -66,6 +66,8 @@ def test_changed_entry_is_updated_in_place(doc):
         (lambda d: d["models"][0].update(colour="blue"), "models[0]: unknown field(s): colour"),
         (lambda d: d.update(widgets=[]), "unknown top-level key(s): widgets"),
         (lambda d: d["hosts"][0].update(base_url="not a url"), "hosts[0]: base_url: Enter a valid URL"),
+        (lambda d: d["bindings"][0].update(batch_mode="later"), "bindings[0]: batch_mode 'later' is not one of"),
+        (lambda d: d["pricing"][0].update(batch_output="-2"), "pricing[0]: batch_output must not be negative"),
     ],
 )
 def test_bad_file_names_the_entry_and_changes_nothing(doc, mutate, message):
@@ -117,3 +119,12 @@ def test_a_host_key_whose_environment_variable_is_unset_is_named_at_apply(doc, m
     for name in envs:
         monkeypatch.setenv(name, "sk-test-value-0001")
     assert apply_config(copy.deepcopy(doc)).warnings == []
+
+
+def test_batch_mode_and_batch_rates_are_applied(doc):
+    apply_config(doc)
+    modes = dict(HostBinding.objects.values_list("model__name", "batch_mode"))
+    assert modes["gpt-4o"] == "auto" and modes["claude-sonnet-4"] == "provider" and modes["gpt-4.1"] == "relay"
+    gpt = Pricing.objects.get(name="gpt-4o")
+    assert (gpt.batch_input_nanos_per_mtok, gpt.batch_output_nanos_per_mtok) == (1_250_000_000, 5_000_000_000)
+    assert Pricing.objects.get(name="gpt-4.1").batch_input_nanos_per_mtok is None  # half the live rate

@@ -22,7 +22,12 @@ TOOLS = [
 @pytest.fixture(scope="module")
 def worker_env(test_pki):
     # TEST-ONLY: the worker may reach executors on loopback, verified with the throwaway CA.
-    return {"RELAY_TOOL_EXECUTOR_TEST_LOOPBACK_CA": str(test_pki.ca_cert)}
+    return {
+        "RELAY_TOOL_EXECUTOR_TEST_LOOPBACK_CA": str(test_pki.ca_cert),
+        # A provider-mode binding's job polled fast (test_auto_mode_…).
+        "RELAY_PROVIDER_POLL_SECONDS": "0.2",
+        "RELAY_PROVIDER_POLL_MAX_SECONDS": "0.5",
+    }
 
 
 @pytest.fixture
@@ -113,3 +118,35 @@ def test_tool_failures_fail_only_their_record_with_a_code(sdk, fake, executor):
     assert set(outputs) == {"plain"} and "openrelay" not in outputs["plain"]["response"]["body"]
     # A failed tool round still bills the model invocation it made.
     assert UsageEvent.objects.filter(error_kind="tool_executor_error").count() == 1
+
+
+def test_auto_mode_runs_tool_calling_records_in_the_relay_and_the_rest_at_the_provider(sdk, fake, executor):
+    """A mixed batch on an `auto` binding: plain records go to the provider's batch API (half price), the
+    tool-calling one runs in the relay, which must sit between its model turns; every record finishes."""
+    from batches.models import Item
+    from batches.provider.models import ProviderJob
+    from relay.models import HostBinding
+
+    HostBinding.objects.filter(model__name="gpt-4o").update(batch_mode="auto")
+    fake.batches.job_seconds = 0.5
+    fake.script("*", [tool_turn(("call_1", "add", {"a": 2, "b": 3})), final_turn()])
+    plain = [
+        {
+            "custom_id": f"p{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"model": "gpt-4o", "messages": [{"role": "user", "content": f"plain {i}"}]},
+        }
+        for i in range(3)
+    ]
+    done = run_batch(sdk, [record("tool", {"url": executor.url()}), *plain])
+    assert done.status == "completed" and done.request_counts.completed == 4, done
+    lines = by_custom_id(sdk, done.output_file_id)
+    assert lines["tool"]["response"]["body"]["choices"][0]["message"]["content"].startswith("2 + 3 = 5")
+    assert all(lines[f"p{i}"]["response"]["status_code"] == 200 for i in range(3))
+    where = dict(Item.objects.values_list("custom_id", "placement"))
+    assert where["tool"] == "tool_config"
+    (job,) = ProviderJob.objects.all()
+    assert job.records == 3 and job.status == "done"
+    ran = dict(UsageEvent.objects.filter(source="batch").values_list("request_id", "executed_by"))
+    assert sorted(ran.values()) == ["provider", "provider", "provider", "relay", "relay"]  # the tool record: 2 turns

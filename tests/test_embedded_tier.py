@@ -401,6 +401,27 @@ def test_anthropic_batch_through_the_anthropic_sdk(stack):
         assert results[cid].message.usage.input_tokens == len(prompt.split())
 
 
+def test_provider_batch_mode_in_the_demo(stack):
+    """The demo catalog's `gpt-4o-mini-batch` (batch_mode: provider) and `claude-3-5-haiku-batch` (auto) run
+    at the demo provider's batch APIs, on SQLite: same results, usage events executed_by the provider."""
+    client = stack.openai()
+    records = [openai_record("p-0", "What is a relay?"), openai_record("p-1", "Name a prime number.")]
+    for record in records:
+        record["body"]["model"] = "gpt-4o-mini-batch"
+    batch = openai_final(client, openai_batch(client, records).id, 60)
+    assert batch.status == "completed" and batch.request_counts.completed == 2, batch
+    lines = file_lines(client, batch.output_file_id)
+    assert lines["p-0"]["response"]["body"]["choices"][0]["message"]["content"] == canned_answer("What is a relay?")
+    a = stack.anthropic()
+    request = anthropic_request("c-0", "What is a relay?")
+    request["params"]["model"] = "claude-3-5-haiku-batch"
+    ended = anthropic_ended(a, a.messages.batches.create(requests=[request]).id, 60)
+    assert ended.request_counts.succeeded == 1, ended
+    r = stack.native("GET", "/api/usage/events?limit=20")
+    ran = {e["model"]: e["executed_by"] for e in r.json()["events"] if e["model"].endswith("-batch")}
+    assert ran == {"gpt-4o-mini-batch": "provider", "claude-3-5-haiku-batch": "provider"}, r.json()
+
+
 # --- cancel while items are pending ---------------------------------------------------------------------
 
 

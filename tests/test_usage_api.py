@@ -155,6 +155,8 @@ def test_event_json_has_every_field(client):
         batch_id="0195-batch",
         tokens=Tokens(input=10, output=20, cache_read=30, cache_write=40),
         cost_nano_usd=123,
+        billed_cost_nano_usd=140,
+        executed_by="provider",
     )
     resp = get(client, "events", {"from": "2025-03-04T00:00:00Z", "to": "2025-03-05T00:00:00Z"})
     assert resp.status_code == 200, resp.content
@@ -187,6 +189,8 @@ def test_event_json_has_every_field(client):
                 "batch_surface": None,
                 "tokens": {"input": 10, "output": 20, "cache_read": 30, "cache_write": 40, "total": 100},
                 "cost_nano_usd": 123,
+                "billed_cost_nano_usd": 140,
+                "executed_by": "provider",
             }
         ]
     }

@@ -23,11 +23,13 @@ class UsageEventAdmin(ViewOnlyAdmin):
         "team",
         "total_tokens",
         "cost_nano_usd",
+        "billed_cost_nano_usd",
+        "executed_by",
         "duration_ms",
         "error_kind",
         "batch_id",
     )
-    list_filter = ("source", "status", "model", "project", "error_kind")
+    list_filter = ("source", "executed_by", "status", "model", "project", "error_kind")
     search_fields = ("request_id", "model", "project")
     date_hierarchy = "ts"
     ordering = ("-ts", "-request_id")

@@ -11,6 +11,11 @@ submit): `cost_nano_usd * (100 - percent) // 100`, floored per event, so a
 batch's billed total is exactly the sum of its events'. It is null when no
 discount applies (live requests, native batches: the price is cost_nano_usd)
 and when the event is unpriced. The undiscounted cost is always kept beside it.
+
+A batch record run at the provider (`executed_by = "provider"`, batches/provider/) costs the operator the
+provider's batch price: its `cost_nano_usd` is at the pricing's batch rates (half the live ones unless set),
+while `billed_cost_nano_usd` follows the same rule as a relay-run record (the list price less the batch
+discount), so the margin between the two is visible per event.
 """
 
 from django.db import models
@@ -21,6 +26,11 @@ from django.utils import timezone
 class Source(models.TextChoices):
     LIVE = "live"
     BATCH = "batch"
+
+
+class ExecutedBy(models.TextChoices):
+    RELAY = "relay"
+    PROVIDER = "provider"
 
 
 class UsageEvent(models.Model):
@@ -58,6 +68,9 @@ class UsageEvent(models.Model):
     cache_write_tokens = models.BigIntegerField(default=0)
     cost_nano_usd = models.BigIntegerField(null=True, blank=True)
     billed_cost_nano_usd = models.BigIntegerField(null=True, blank=True)
+    # Where the request ran: "relay" (a live call, or a batch record the relay's workers ran) or "provider"
+    # (a batch record sent in a provider batch job; its cost_nano_usd is the provider's batch price).
+    executed_by = models.CharField(max_length=16, choices=ExecutedBy.choices, default=ExecutedBy.RELAY)
 
     class Meta:
         indexes = [
@@ -71,16 +84,21 @@ class UsageEvent(models.Model):
             models.UniqueConstraint(fields=["request_id"], name="usage_request_id_unique"),
             models.CheckConstraint(condition=Q(source__in=[s.value for s in Source]), name="usage_source_valid"),
             models.CheckConstraint(
+                condition=Q(executed_by__in=[e.value for e in ExecutedBy]), name="usage_executed_by_valid"
+            ),
+            models.CheckConstraint(
                 condition=Q(input_tokens__gte=0)
                 & Q(output_tokens__gte=0)
                 & Q(cache_read_tokens__gte=0)
                 & Q(cache_write_tokens__gte=0),
                 name="usage_tokens_not_negative",
             ),
-            # A discount never charges more than the undiscounted price, nor prices an unpriced event.
+            # A discount never charges more than the undiscounted price, nor prices an unpriced event. (A record
+            # the provider ran costs its batch price, which the operator sets apart from what it bills.)
             models.CheckConstraint(
                 condition=Q(billed_cost_nano_usd__isnull=True)
-                | Q(cost_nano_usd__isnull=False, billed_cost_nano_usd__lte=models.F("cost_nano_usd")),
+                | Q(cost_nano_usd__isnull=False, billed_cost_nano_usd__lte=models.F("cost_nano_usd"))
+                | Q(cost_nano_usd__isnull=False, executed_by="provider"),
                 name="usage_billed_within_cost",
             ),
         ]

@@ -45,3 +45,27 @@ def with_batch_price(event: dict, percent: int) -> dict:
     if cost is None or not percent:
         return event
     return dict(event, billed_cost_nano_usd=discounted(cost, percent))
+
+
+def provider_batch_cost(pricing: "Pricing | None", tokens: Tokens) -> int | None:
+    """What the provider charges for a record run through its batch API: the pricing's batch rates, and
+    where one is not set, half the live rate (OpenAI's and Anthropic's batch price; cache rates too)."""
+    if pricing is None:
+        return None
+    return cost_nano_usd(_BatchRates(pricing), tokens)
+
+
+class _BatchRates:
+    """A pricing seen at its batch rates (the four meters `cost_nano_usd` reads)."""
+
+    def __init__(self, pricing: "Pricing"):
+        self.input_nanos_per_mtok = _batch_rate(pricing.batch_input_nanos_per_mtok, pricing.input_nanos_per_mtok)
+        self.output_nanos_per_mtok = _batch_rate(pricing.batch_output_nanos_per_mtok, pricing.output_nanos_per_mtok)
+        self.cache_read_nanos_per_mtok = _batch_rate(None, pricing.cache_read_nanos_per_mtok)
+        self.cache_write_nanos_per_mtok = _batch_rate(None, pricing.cache_write_nanos_per_mtok)
+
+
+def _batch_rate(explicit: int | None, live: int | None) -> int | None:
+    if explicit is not None:
+        return explicit
+    return None if live is None else live // 2

@@ -71,7 +71,8 @@ FROM (SELECT 1) AS one LEFT JOIN claimed ON true
 _CHECK_PENDING = """(%(check)s::uuid IS NULL OR claimed.batch_id = %(check)s::uuid
     OR EXISTS (SELECT 1 FROM batches_item WHERE batch_id = %(check)s::uuid AND state = 'running')
     OR (SELECT idx FROM batches_item WHERE batch_id = %(check)s::uuid AND state = 'available'
-        ORDER BY idx LIMIT 1) IS NOT NULL)"""
+        ORDER BY idx LIMIT 1) IS NOT NULL
+    OR EXISTS (SELECT 1 FROM batches_item WHERE batch_id = %(check)s::uuid AND state = 'delegated'))"""
 # One statement in the usual case: the fairest batch and its next item.
 _CLAIM_FAIREST_SQL = _CLAIM_TEMPLATE.format(pick=_FAIR_ORDER + " LIMIT 1", pending=_CHECK_PENDING)
 # When the fairest batch had nothing to run now (its items all running or waiting): the next ones.

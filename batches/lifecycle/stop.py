@@ -23,7 +23,10 @@ _STOP_MESSAGES = {Code.BATCH_CANCELLED: CANCELLED_ERROR, Code.BATCH_EXPIRED: EXP
 
 
 def cancel_pending_items(batch_id, code: str = Code.BATCH_CANCELLED) -> int:
-    """available → cancelled for one batch (cancel or expiry); running items stop at their heartbeat."""
+    """available → cancelled for one batch (cancel or expiry); running items stop at their heartbeat; records at
+    a provider stop with their jobs (batches/provider/jobs.py `cancel_jobs`, sent once this commits)."""
+    if Item.objects.filter(batch_id=batch_id, state=St.DELEGATED).exists():
+        transaction.on_commit(lambda: dispatch.hand_off("provider_cancel", batch_id))
     return Item.objects.filter(batch_id=batch_id, state=St.AVAILABLE).update(
         state=St.CANCELLED, finished_at=timezone.now(), error=_STOP_MESSAGES[code], error_code=code
     )
@@ -36,6 +39,7 @@ _PENDING_SQL = """
 SELECT EXISTS (SELECT 1 FROM batches_item WHERE batch_id = %(batch)s AND state = 'running')
     OR (SELECT idx FROM batches_item WHERE batch_id = %(batch)s AND state = 'available' ORDER BY idx LIMIT 1)
        IS NOT NULL
+    OR EXISTS (SELECT 1 FROM batches_item WHERE batch_id = %(batch)s AND state = 'delegated')
 """
 
 

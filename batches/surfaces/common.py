@@ -7,9 +7,10 @@ import json
 from collections.abc import Callable, Iterator
 
 from django.conf import settings
-from django.db.models import Count, IntegerField, OuterRef, Q, Subquery
+from django.db.models import Count, IntegerField, OuterRef, Q, Subquery, Sum
 
 from batches.models import Batch, Item
+from batches.provider.models import JobStatus, ProviderJob
 from relay.auth import Principal
 from relay.errors import RelayError, quoted
 from relay.http import ascii_int
@@ -48,12 +49,29 @@ def parse_limit(raw: str | None, *, default: int, maximum: int, refuse: Callable
 
 def count_items(qs, kinds: dict[str, Q]):
     """Annotate batches with how many of their items match each kind (`n` per name): a correlated
-    subquery per kind on the items' (batch, state) index, so a page of batches is one statement."""
+    subquery per kind on the items' (batch, state) index, so a page of batches is one statement. Also the
+    provider's own counts of its running jobs (`at_provider_done`, `at_provider_failed`): records it finished
+    whose results are not written yet (`provider_progress`)."""
     annotations = {}
     for name, condition in kinds.items():
         items = Item.objects.filter(condition, batch_id=OuterRef("pk")).order_by().values("batch_id")
         annotations[name] = Subquery(items.annotate(c=Count("*")).values("c"), output_field=IntegerField())
+    running = ProviderJob.objects.filter(batch_id=OuterRef("pk"), status=JobStatus.RUNNING).order_by()
+    for name, column in (("at_provider_done", "completed"), ("at_provider_failed", "failed")):
+        total = running.values("batch_id").annotate(v=Sum(column)).values("v")
+        annotations[name] = Subquery(total, output_field=IntegerField())
     return qs.annotate(**annotations)
+
+
+def provider_progress(batch: Batch) -> tuple[int, int]:
+    """(finished, failed) by the provider's counts of the batch's running jobs: request counts move while
+    a provider job runs, before its results are written to the items."""
+    if hasattr(batch, "at_provider_done"):
+        return batch.at_provider_done or 0, batch.at_provider_failed or 0
+    totals = ProviderJob.objects.filter(batch_id=batch.pk, status=JobStatus.RUNNING).aggregate(
+        done=Sum("completed"), failed=Sum("failed")
+    )
+    return totals["done"] or 0, totals["failed"] or 0
 
 
 def result_rows(batch: Batch) -> Iterator[dict]:

@@ -236,4 +236,8 @@ def event_json(e: UsageEvent, surfaces: dict | None = None) -> dict:
             "total": e.total_tokens,
         },
         "cost_nano_usd": e.cost_nano_usd,
+        # What the caller is billed where it differs from the cost (a batch discount); null: the cost.
+        "billed_cost_nano_usd": e.billed_cost_nano_usd,
+        # Where it ran: "relay", or "provider" (a batch record sent to the provider's batch API).
+        "executed_by": e.executed_by,
     }

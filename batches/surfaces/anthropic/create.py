@@ -29,6 +29,7 @@ from django.utils import timezone
 from batches import bulk, dispatch, ingest, storage
 from batches.errors import invalid_anthropic as invalid
 from batches.models import Batch, BatchStatus, Shape, Surface
+from batches.provider import jobs, placement
 from batches.surfaces import common
 from batches.surfaces.openai import create as openai_create
 from relay.auth import Principal
@@ -75,15 +76,24 @@ def create(principal: Principal, submission: ingest.Submission) -> Batch:
     try:
         with transaction.atomic():
             seen: set[str] = set()
+            # Where each request runs (batches/provider/): the batch row is made below, the planner needs
+            # only its id and policy now.
+            planner = placement.Planner(
+                Batch(id=batch_id, surface=Surface.ANTHROPIC, policy_id=principal.policy_id), PATH
+            )
 
             def rows():
                 for idx, element in enumerate(submission.elements()):
                     # The element was checked by relay.jsonguard when the body was read (batches.ingest).
                     custom_id, params = _request(idx, json.loads(element), seen)
-                    yield idx, writer.add(idx, ingest.dumps(params)), custom_id
+                    data = ingest.dumps(params)
+                    yield idx, writer.add(idx, data), custom_id, planner.place(params, len(data))
 
             bulk.copy_new_items(
-                batch_id, rows(), max_attempts=settings.RELAY_BATCH_MAX_ATTEMPTS, stream=not writer.uses_db
+                batch_id,
+                rows(),
+                max_attempts=settings.RELAY_BATCH_MAX_ATTEMPTS,
+                stream=not writer.uses_db and not planner.may_query,
             )
             writer.close()
             batch = Batch.objects.create(
@@ -100,11 +110,16 @@ def create(principal: Principal, submission: ingest.Submission) -> Batch:
                 **common.waiting_and_retrying(),
                 **Batch.attribution(principal),
             )
-            transaction.on_commit(dispatch.wake_workers)
+            jobs.hand_off(planner.save())
+            if planner.delegated < submission.count:
+                transaction.on_commit(dispatch.wake_workers)
     except BaseException:
         writer.discard()
         raise
     return batch
+
+
+PATH = "/v1/messages"  # what every request of a message batch calls
 
 
 def _request(idx: int, request, seen: set) -> tuple[str, dict]:

@@ -113,6 +113,8 @@ def request_counts(batch: Batch) -> dict:
     stopped, expired = batch.n_stopped or 0, batch.n_expired or 0
     if _stopped_by_expiry(batch):
         expired = stopped
+    done, failed = common.provider_progress(batch)  # a provider job's records finished, not yet written
+    succeeded, errored = succeeded + done, errored + failed
     return {
         "processing": batch.total_items - succeeded - errored - stopped,
         "succeeded": succeeded,

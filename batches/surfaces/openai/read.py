@@ -110,10 +110,11 @@ def request_counts(batch: Batch) -> dict:
         states = {state: getattr(batch, f"n_{state}") or 0 for state in _COUNTED}
     else:
         states = counts(batch)
+    done, failed = common.provider_progress(batch)  # a provider job's records finished, not yet written
     return {
         "total": batch.total_items,
-        "completed": states.get(ItemState.COMPLETED, 0),
-        "failed": states.get(ItemState.DISCARDED, 0) + states.get(ItemState.CANCELLED, 0),
+        "completed": states.get(ItemState.COMPLETED, 0) + done,
+        "failed": states.get(ItemState.DISCARDED, 0) + states.get(ItemState.CANCELLED, 0) + failed,
     }
 
 

@@ -28,6 +28,7 @@ from django.utils import timezone
 from batches import bulk, dispatch, ingest, storage
 from batches.lifecycle import states, stop
 from batches.models import Batch, BatchStatus, File, Item, ItemState, Surface
+from batches.provider import jobs, placement
 from batches.tools import config as tools_config
 from relay import jsonguard
 from relay.errors import quoted
@@ -51,6 +52,7 @@ class _Ingest:
     available: int = 0
     model: str = ""
     errors: list[dict] = field(default_factory=list)
+    jobs: list = field(default_factory=list)  # provider jobs opened for the delegated records
 
 
 def _error(code: str, message: str, *, line: int | None = None, param: str | None = None) -> dict:
@@ -93,7 +95,8 @@ def validate(batch_id) -> None:
         )
         if result.available:
             transaction.on_commit(dispatch.wake_workers)
-    if not result.available:
+        jobs.hand_off(result.jobs)
+    if not result.available and not result.jobs:
         stop.complete_if_done(batch_id)  # every record failed validation: straight to finalizing
 
 
@@ -108,6 +111,7 @@ def _ingest(batch: Batch, source: File, writer) -> _Ingest:
     items: list[dict] = []
     events: list[UsageEvent] = []
     now = timezone.now()
+    planner = placement.Planner(batch, batch.endpoint)  # where each record runs (batches/provider/)
 
     def flush():
         bulk.insert_items(items)
@@ -142,19 +146,24 @@ def _ingest(batch: Batch, source: File, writer) -> _Ingest:
                 result.model = body["model"][:200]
             idx = result.records - 1
             failure = _record_failure(body, batch.endpoint)
-            # A new row is inserted in its first state: available, or discarded for a record refused here.
+            data = ingest.dumps(body)
+            # A new row is inserted in its first state: available (or delegated to a provider job), or
+            # discarded for a record refused here.
             item = {
                 "id": uuid6.uuid7(),
                 "batch_id": batch.id,
                 "idx": idx,
                 "state": ItemState.AVAILABLE if failure is None else ItemState.DISCARDED,
                 "custom_id": record["custom_id"],
-                "input_ref": writer.add(idx, ingest.dumps(body)),
+                "input_ref": writer.add(idx, data),
                 "max_attempts": batch.max_attempts,
             }
-            if failure is None:
+            place = planner.place(body, len(data)) if failure is None else None
+            if place is not None:
+                item["state"], item["provider_job_id"], item["placement"] = place.state, place.job_id, place.note
+            if failure is None and item["state"] == ItemState.AVAILABLE:
                 result.available += 1
-            else:
+            elif failure is not None:
                 item["error_code"], item["error"] = failure
                 item["finished_at"] = now
                 events.append(_rejected_event(batch, item, body))
@@ -173,6 +182,8 @@ def _ingest(batch: Batch, source: File, writer) -> _Ingest:
         result.errors.append(_error("empty_file", "The input file has no requests.", param="input_file_id"))
     if not result.errors and items:
         flush()
+    if not result.errors:
+        result.jobs = planner.save()
     return result
 
 

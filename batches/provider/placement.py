@@ -1,0 +1,139 @@
+"""Where each record of a new batch runs, decided as it is stored: in the relay's workers (`available`), or
+at the provider's batch API (`delegated`, in a ProviderJob opened here, sent by batches/provider/jobs.py).
+
+The binding the record routes to decides (`HostBinding.batch_mode`): `relay` (the default) keeps it here;
+`provider` and `auto` send it when it can go, and keep it here with a note saying why when it cannot:
+
+- `tool_config`: the record needs the relay between its model turns (`openrelay.tool_config`);
+- `endpoint`: the provider's batch API does not take its endpoint;
+- (later, batches/provider/jobs.py, auto mode) `provider_capacity` and `provider_expired`.
+
+A record that does not route (unknown model, no grant, no key) stays in the relay, where it fails exactly as
+it would have. The native surface always runs in the relay (spec 000: "Relay runs every item itself").
+"""
+
+import logging
+from dataclasses import dataclass
+
+import uuid6
+from django.conf import settings
+
+from batches.models import Batch, ItemState, Surface
+from batches.provider.models import JobStatus, ProviderJob
+from batches.tools import config as tools_config
+from relay import catalog, routing
+from relay.errors import RelayError
+from relay.models import Adapter, BatchMode, HostBinding
+
+log = logging.getLogger(__name__)
+
+# Each binding adapter's batch API, and the endpoints that API takes.
+BATCH_API = {Adapter.OPENAI: "openai", Adapter.OPENAI_RESPONSES: "openai", Adapter.ANTHROPIC: "anthropic"}
+BATCHED_ENDPOINTS = {
+    "openai": frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"}),
+    "anthropic": frozenset({"/v1/messages"}),
+}
+# The providers' own limits per job: requests, and bytes of the input (OpenAI: one file; Anthropic: one body).
+JOB_LIMITS = {"openai": (50_000, 200 * 1024 * 1024), "anthropic": (100_000, 256 * 1024 * 1024)}
+# A record's line around its body: custom_id, method, url (OpenAI) or custom_id and params (Anthropic).
+LINE_OVERHEAD = 160
+
+NOTE_TOOL_CONFIG = "tool_config"
+NOTE_ENDPOINT = "endpoint"
+NOTE_CAPACITY = "provider_capacity"
+NOTE_EXPIRED = "provider_expired"
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A record's first state, its job (when delegated) and the note saying why it is not at the provider."""
+
+    state: str
+    job_id: object = None
+    note: str = ""
+
+
+class Planner:
+    """Places the records of one new batch, in order, opening jobs as they fill (one per binding until it
+    reaches the provider's limits). Call `place()` per record, then `save()` inside the transaction that
+    inserts the items (the items name their jobs; the foreign key is checked at commit)."""
+
+    def __init__(self, batch: Batch, endpoint: str):
+        self.batch = batch
+        self.endpoint = endpoint
+        self.snapshot = catalog.held()
+        self.policy = None
+        # Nothing to decide unless some binding sends batches to its provider (one indexed look).
+        active = HostBinding.objects.filter(enabled=True).exclude(batch_mode=BatchMode.RELAY).exists()
+        if active and batch.surface != Surface.NATIVE and batch.policy_id:
+            self.policy = catalog.policy(batch.policy_id, self.snapshot)
+        self.routes: dict = {}  # model name → Route or None
+        self.open: dict = {}  # binding id → the job filling up
+        self.jobs: list[ProviderJob] = []
+        self.delegated = 0
+
+    @property
+    def may_query(self) -> bool:
+        """Whether `place` may use the database (routing a model it has not seen): a caller feeding a
+        streamed COPY must then produce its rows outside of it."""
+        return self.policy is not None
+
+    def place(self, body: dict, size: int) -> Placement | None:
+        """None: the record runs in the relay like any other (the binding says so, or nothing routes it)."""
+        if self.policy is None:
+            return None
+        route = self._route(body.get("model"))
+        if route is None or route.binding.batch_mode == BatchMode.RELAY:
+            return None
+        kind = BATCH_API.get(route.adapter)
+        if kind is None or self.endpoint not in BATCHED_ENDPOINTS[kind]:
+            return Placement(ItemState.AVAILABLE, note=NOTE_ENDPOINT)
+        if self.endpoint == "/v1/chat/completions" and _has_tool_config(body):
+            return Placement(ItemState.AVAILABLE, note=NOTE_TOOL_CONFIG)
+        job = self._job(route, kind, size + LINE_OVERHEAD)
+        self.delegated += 1
+        return Placement(ItemState.DELEGATED, job.id)
+
+    def save(self) -> list[ProviderJob]:
+        """Insert the jobs opened (they go with the items, in the caller's transaction)."""
+        if self.jobs:
+            ProviderJob.objects.bulk_create(self.jobs)
+        return self.jobs
+
+    def _route(self, model):
+        if not isinstance(model, str) or not model:
+            return None
+        if model not in self.routes:
+            try:
+                self.routes[model] = routing.resolve(self.policy, model, self.snapshot)
+            except RelayError:
+                self.routes[model] = None  # it fails in the relay, as it would have
+        return self.routes[model]
+
+    def _job(self, route, kind: str, size: int) -> ProviderJob:
+        max_records, max_bytes = JOB_LIMITS[kind]
+        if settings.RELAY_PROVIDER_JOB_MAX_RECORDS:
+            max_records = min(max_records, settings.RELAY_PROVIDER_JOB_MAX_RECORDS)
+        job = self.open.get(route.binding.id)
+        if job is None or job.records + 1 > max_records or job.bytes + size > max_bytes:
+            job = ProviderJob(
+                id=uuid6.uuid7(),
+                batch_id=self.batch.id,
+                binding_id=route.binding.id,
+                host_id=route.host.id,
+                kind=kind,
+                endpoint=self.endpoint,
+                status=JobStatus.PENDING,
+            )
+            self.open[route.binding.id] = job
+            self.jobs.append(job)
+        job.records += 1
+        job.bytes += size
+        return job
+
+
+def _has_tool_config(body: dict) -> bool:
+    try:
+        return tools_config.extract(body)[1] is not None
+    except tools_config.ToolError:
+        return True  # refused at validation; never sent anywhere
