@@ -31,6 +31,16 @@ def hand_off(task: str, batch_id, queue: str = CONTROL_QUEUE) -> None:
         log.warning("could not hand off %s for batch %s", task, batch_id, exc_info=True)
 
 
+def hand_off_at(task: str, obj_id, when) -> None:
+    """`hand_off` delivered at `when` (a countdown): a provider job's next poll or send. If it is lost (a Redis
+    flush, a restart), the sweeper finds the step due and sends it again."""
+    delay = max(0.0, (when - timezone.now()).total_seconds()) if when is not None else 0.0
+    try:
+        app.send_task(f"batches.tasks.{task}", args=[str(obj_id)], queue=CONTROL_QUEUE, countdown=delay)
+    except Exception:  # the broker is down: the sweeper re-dispatches
+        log.warning("could not schedule %s for %s", task, obj_id, exc_info=True)
+
+
 def redispatch(task: str, batch_id) -> None:
     """At most one re-sent control message per batch per lease period, however often the sweeper runs."""
     try:
@@ -196,3 +206,51 @@ def wake_at(when) -> None:
         app.send_task("batches.tasks.wake", countdown=delay, queue=CONTROL_QUEUE)
     except Exception:  # the broker is down: the sweeper wakes them
         log.warning("could not schedule a wake-up", exc_info=True)
+
+
+# --- webhook deliveries (batches/webhooks) --------------------------------------------------------
+
+WEBHOOK_DELIVER_TASK = "batches.webhooks.tasks.deliver"
+# A delivery's message is marked in the broker's Redis until a worker takes it (or this long past its
+# countdown): the webhook sweep re-sends only unmarked overdue deliveries, so a backlog of queued messages is
+# never duplicated, and a flush (which takes the marks with the messages) is.
+WEBHOOK_SENT_TTL = 600
+_SENT = "webhook_sent:"
+
+
+def _marks():
+    """The Redis client holding the marks: the broker's own when it is Redis (they vanish with its messages)."""
+    direct = _broker_redis()
+    return direct[0] if direct is not None else get_redis()
+
+
+def hand_off_webhook(delivery_id, countdown: float | None = None) -> None:
+    """Send one webhook delivery to the control worker, now or after `countdown` seconds; if the message is
+    lost (the broker down, Redis flushed, a worker killed), the webhook sweep sends it again."""
+    try:
+        _marks().set(_SENT + str(delivery_id), 1, ex=int((countdown or 0) + WEBHOOK_SENT_TTL))
+        app.send_task(WEBHOOK_DELIVER_TASK, args=[str(delivery_id)], queue=CONTROL_QUEUE, countdown=countdown)
+    except Exception:  # the broker is down: the webhook sweep re-dispatches
+        log.warning("could not hand off webhook delivery %s", delivery_id, exc_info=True)
+
+
+def webhook_taken(delivery_id) -> None:
+    """A worker took a delivery's message: from now on a lost attempt is the sweep's to re-send."""
+    try:
+        _marks().delete(_SENT + str(delivery_id))
+    except redis.RedisError:
+        pass
+
+
+def webhooks_in_flight(delivery_ids) -> set[str]:
+    """Of these deliveries, those whose message still waits in the broker (marked, not yet taken)."""
+    ids = [str(i) for i in delivery_ids]
+    if not ids:
+        return set()
+    try:
+        pipe = _marks().pipeline(transaction=False)
+        for delivery_id in ids:
+            pipe.exists(_SENT + delivery_id)
+        return {delivery_id for delivery_id, found in zip(ids, pipe.execute(), strict=True) if found}
+    except redis.RedisError:
+        return set(ids)  # cannot tell: re-send nothing now, the next sweep looks again

@@ -13,4 +13,6 @@ QUEUES = (ITEM_QUEUE, CONTROL_QUEUE, DEFAULT_QUEUE)
 TASK_ROUTES = {
     "batches.tasks.run_items": {"queue": ITEM_QUEUE},
     "batches.tasks.*": {"queue": CONTROL_QUEUE},
+    # Webhook deliveries and their sweep (batches/webhooks/tasks.py): control work too.
+    "batches.webhooks.tasks.*": {"queue": CONTROL_QUEUE},
 }

@@ -4,7 +4,8 @@
 
 Binds 127.0.0.1 on a free port (port 0) and prints `READY http://127.0.0.1:<port>` on stdout.
 Differences from the plain demo upstream, all for benchmarking:
-- every reply waits `delay` seconds (changeable at run time: POST /_bench/config {"delay_ms": 100});
+- every reply waits `delay` seconds (changeable at run time: POST /_bench/config {"delay_ms": 100}), and a
+  streamed one `event_delay_ms` between two of its events (POST /_bench/config {"event_delay_ms": 10});
 - it keeps no copy of the requests it saw (the test server records them all: 50,000 would grow memory);
 - a listen backlog of 512 (socketserver's default of 5 drops SYNs under bursts, which costs a 1 s retry);
 - GET /_bench/stats → {"requests", "max_in_flight", "in_flight", "rate_limited", "served_ms_mean"} (the
@@ -16,6 +17,9 @@ Differences from the plain demo upstream, all for benchmarking:
   OpenAI's `x-ratelimit-{limit,remaining,reset}-requests` headers, as OpenAI's do (`--no-limit-headers`,
   or POST /_bench/config {"limit_headers": false}, leaves them out: a provider that says nothing until
   its 429). Other keys are never limited.
+- the providers' batch APIs (relay.demo_batches, as in the demo upstream; GET and DELETE fall through to it):
+  POST /_bench/config {"batch_seconds": 120} sets how long a job takes (default RELAY_DEMO_BATCH_SECONDS), and
+  GET /_bench/batches → {"log": [...]} every batch-API request seen ({"t", "method", "path", "op", "job", …}).
 It stays a ThreadingHTTPServer (one thread per connection), like the suite's fake.
 """
 
@@ -42,6 +46,7 @@ class BenchUpstream(DemoUpstream):
         self.limit_headers = limit_headers
         self.RequestHandlerClass = _BenchHandler
         self.delay = delay
+        self.event_delay = 0.0  # streamed answers: seconds between two events (POST /_bench/config {"event_delay_ms"})
         self.received = deque(maxlen=0)  # appends are dropped: constant memory
         self.count = 0
         # Served latency of provider calls: from the request's headers read to the answer written.
@@ -72,7 +77,7 @@ class BenchUpstream(DemoUpstream):
                         },
                     )
                 return Reply(delay=self.delay, headers=headers)
-        return Reply(delay=self.delay)
+        return Reply(delay=self.delay, event_delay=self.event_delay)
 
     def _limit_headers(self, key: str, now: float) -> dict:
         """OpenAI's request-quota headers for the key's sliding window (called with the lock held)."""
@@ -118,7 +123,9 @@ class _BenchHandler(_Handler):
     def do_GET(self):
         if self.path == "/_bench/stats":
             return self._json(200, self._stats())
-        return self._json(404, {"error": {"message": f"no route {self.path}"}})
+        if self.path == "/_bench/batches":  # the batch-API requests logged (relay.demo_batches' `log`)
+            return self._json(200, {"log": self.server.batches.requests()})
+        return super().do_GET()  # the batch APIs (retrieve, list, file content); 501 for anything else
 
     def do_POST(self):
         if not self.path.startswith("/_bench/"):
@@ -137,8 +144,17 @@ class _BenchHandler(_Handler):
             srv.delay = float(body.get("delay_ms", srv.delay * 1000)) / 1000.0
             srv.key_rps = float(body.get("key_rps", srv.key_rps))
             srv.limit_headers = bool(body.get("limit_headers", srv.limit_headers))
+            srv.event_delay = float(body.get("event_delay_ms", srv.event_delay * 1000)) / 1000.0
+            if "batch_seconds" in body:  # how long a batch job of the batch APIs takes (RELAY_DEMO_BATCH_SECONDS)
+                srv.batches.job_seconds = float(body["batch_seconds"])
             return self._json(
-                200, {"delay_ms": srv.delay * 1000, "key_rps": srv.key_rps, "limit_headers": srv.limit_headers}
+                200,
+                {
+                    "delay_ms": srv.delay * 1000,
+                    "key_rps": srv.key_rps,
+                    "limit_headers": srv.limit_headers,
+                    "event_delay_ms": srv.event_delay * 1000,
+                },
             )
         if self.path == "/_bench/reset":
             with srv.lock:

@@ -167,17 +167,23 @@ class Stack:
             raise RuntimeError(f"fake upstream did not start: {line!r}\n{proc.tail()}")
         return Upstream(line.split(" ", 1)[1], proc)
 
-    def start_web(self) -> "Web":
-        """gunicorn as in production, on a socket bound to port 0 here and handed over (no port race)."""
+    def start_web(self, production: bool = False) -> "Web":
+        """gunicorn on a socket bound to port 0 here and handed over (no port race). `production`: with
+        relay.webserver's whole argv (worker class, threads, limits, as compose and embedded mode run
+        it) rather than GUNICORN_ARGS."""
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))
         sock.listen(512)
         port = sock.getsockname()[1]
         fd = sock.fileno()
-        proc = self.spawn(
-            "web", [PY, "-m", "gunicorn", "relay.wsgi", "-b", f"fd://{fd}", *GUNICORN_ARGS], pass_fds=(fd,)
-        )
+        if production:
+            from relay.webserver import gunicorn_argv
+
+            argv = gunicorn_argv(PY, f"fd://{fd}", access_log=False)
+        else:
+            argv = [PY, "-m", "gunicorn", "relay.wsgi", "-b", f"fd://{fd}", *GUNICORN_ARGS]
+        proc = self.spawn("web", argv, pass_fds=(fd,))
         sock.close()
         web = Web(f"http://127.0.0.1:{port}", proc)
         web.wait_ready()

@@ -105,6 +105,10 @@ def embedded_env(base: dict | None = None) -> dict:
         PYTHONUNBUFFERED="1",
     )
     env.setdefault("RELAY_BATCH_PAYLOAD_DIR", str(STATE_DIR / "payloads"))
+    # The demo provider ends a batch job in seconds (RELAY_DEMO_BATCH_SECONDS): poll it every 2 s, not 12.
+    env.setdefault("RELAY_PROVIDER_POLL_SECONDS", "2")
+    # A webhook receiver on this machine (docs/webhooks.md): the SSRF guard lets 127.0.0.1 through, over http.
+    env.setdefault("RELAY_WEBHOOK_ALLOWED_HOSTS", "127.0.0.1")
     return env
 
 

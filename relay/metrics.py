@@ -15,6 +15,10 @@ Series (all prefixed `relay_`):
 - usage_requests_total{model,source,status}, usage_tokens_total{model,source,kind},
   usage_cost_usd_total{model,source}, usage_billed_cost_usd_total{model,source}   counters from usage events
 - worker_slots_busy{worker}                               running items per worker host (lease owner)
+- provider_jobs{kind,status}, provider_job_records{status} gauges, provider batch jobs (batches/provider)
+- batch_records_run_total{executed_by}                    counter, batch records by where they ran
+- webhook_deliveries{outcome}, webhook_oldest_undelivered_age_seconds, webhook_endpoints_paused
+                                                          gauges, from the webhook outbox (batches/webhooks)
 
 The histograms and usage counters aggregate the whole usage table at each scrape (one grouped
 query each); retention that deletes rows makes them step down, which Prometheus reads as a reset.
@@ -320,8 +324,64 @@ def worker_slots():
     yield cap_fam
 
 
+def webhook_deliveries():
+    from batches.webhooks import selectors
+
+    deliveries = GaugeMetricFamily(
+        "relay_webhook_deliveries",
+        "Webhook deliveries by outcome: pending (retrying), delivered (2xx), failed (retries ran out).",
+        labels=["outcome"],
+    )
+    for outcome, n in selectors.delivery_counts().items():
+        deliveries.add_metric([outcome], n)
+    yield deliveries
+    yield GaugeMetricFamily(
+        "relay_webhook_oldest_undelivered_age_seconds",
+        "Age of the oldest event still waiting for a delivery (0 when none waits).",
+        value=selectors.oldest_undelivered_age(),
+    )
+    yield GaugeMetricFamily(
+        "relay_webhook_endpoints_paused",
+        "Webhook endpoints paused after failing every delivery (or by an operator).",
+        value=selectors.paused_endpoints(),
+    )
+
+
+def provider_jobs():
+    from batches.provider.models import ProviderJob
+    from usage.models import UsageEvent
+
+    jobs = GaugeMetricFamily(
+        "relay_provider_jobs", "Provider batch jobs by batch API and status.", labels=["kind", "status"]
+    )
+    records = GaugeMetricFamily(
+        "relay_provider_job_records", "Records carried by provider batch jobs, by job status.", labels=["status"]
+    )
+    by_status: dict[str, int] = {}
+    for kind, status, n, carried in (
+        ProviderJob.objects.values_list("kind", "status").annotate(n=Count("pk"), r=Sum("records")).order_by()
+    ):
+        jobs.add_metric([kind, status], n)
+        by_status[status] = by_status.get(status, 0) + (carried or 0)
+    for status, n in by_status.items():
+        records.add_metric([status], n)
+    yield jobs
+    yield records
+    ran = CounterMetricFamily(
+        "relay_batch_records_run",
+        "Batch records that ran, by where: the relay's workers or the provider's batch API.",
+        labels=["executed_by"],
+    )
+    for where, n in (
+        UsageEvent.objects.filter(source="batch").values_list("executed_by").annotate(n=Count("pk")).order_by()
+    ):
+        ran.add_metric([where], n)
+    yield ran
+
+
 SOURCES = (
     batch_items,
+    provider_jobs,
     queue_depth,
     item_run_seconds,
     upstream_seconds,
@@ -329,6 +389,7 @@ SOURCES = (
     breakers,
     ratelimit_denials,
     worker_slots,
+    webhook_deliveries,
 )
 
 

@@ -13,6 +13,7 @@ import re
 from django.urls import path
 from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView, SpectacularSwaggerView
 
+from relay import openapi_webhooks
 from relay.openapi_schemas import INT, SCHEMAS, STR, ref
 
 
@@ -232,6 +233,8 @@ OPERATIONS = {
             },
         }.items()
     },
+    # Webhook endpoints (batches/webhooks): also under /openai/, like the other OpenAI-compatible routes.
+    **openapi_webhooks.operations(_resp, _json, OPENAI_ERRORS),
     ("/api/usage/events", "get"): {
         "summary": "Usage events, newest first (keyset pages)",
         "tags": ["usage"],
@@ -287,7 +290,7 @@ def postprocess(result, generator, request, public):
             new.setdefault("security", RELAY_CREDENTIAL)
             item[method] = new
     result.setdefault("components", {})
-    result["components"]["schemas"] = dict(SCHEMAS)
+    result["components"]["schemas"] = {**SCHEMAS, **openapi_webhooks.SCHEMAS}
     result["components"]["securitySchemes"] = {
         "RelayKey": {"type": "http", "scheme": "bearer", "description": "a relay key (sk-wr-…) or inference token"},
         "RelayApiKey": {

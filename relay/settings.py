@@ -63,6 +63,7 @@ INSTALLED_APPS = [
     "policies",
     "usage",
     "batches",
+    "batches.webhooks",
 ]
 
 MIDDLEWARE = [
@@ -296,6 +297,13 @@ RELAY_BATCH_COMPLETION_WINDOW_SECONDS = env.int("RELAY_BATCH_COMPLETION_WINDOW_S
 RELAY_BATCH_DISCOUNT_PERCENT = env.int("RELAY_BATCH_DISCOUNT_PERCENT", default=50)
 if not 0 <= RELAY_BATCH_DISCOUNT_PERCENT <= 100:
     raise ImproperlyConfigured("RELAY_BATCH_DISCOUNT_PERCENT must be between 0 and 100")
+# Provider batch mode (batches/provider/, docs/provider-batches.md). A job is polled at most once per
+# RELAY_PROVIDER_POLL_SECONDS (12 s: at most 5 polls of one job in any minute), backing off to
+# RELAY_PROVIDER_POLL_MAX_SECONDS while it runs. RELAY_PROVIDER_JOB_MAX_RECORDS caps the records of one job
+# below the provider's own limit (0: the provider's, 50,000 for OpenAI and 100,000 for Anthropic).
+RELAY_PROVIDER_POLL_SECONDS = env.float("RELAY_PROVIDER_POLL_SECONDS", default=12.0)
+RELAY_PROVIDER_POLL_MAX_SECONDS = env.float("RELAY_PROVIDER_POLL_MAX_SECONDS", default=60.0)
+RELAY_PROVIDER_JOB_MAX_RECORDS = env.int("RELAY_PROVIDER_JOB_MAX_RECORDS", default=0)
 
 # --- Tool executors (batch tool calling) -------------------------------------
 # TEST-ONLY. Never set this in production. A path to a CA bundle: when set, tool
@@ -303,3 +311,25 @@ if not 0 <= RELAY_BATCH_DISCOUNT_PERCENT <= 100:
 # this CA alone, so the test suite can run real HTTPS executors on 127.0.0.1.
 # Empty (the default) keeps loopback refused like every other internal address.
 RELAY_TOOL_EXECUTOR_TEST_LOOPBACK_CA = env.str("RELAY_TOOL_EXECUTOR_TEST_LOOPBACK_CA", default="")
+
+# --- Webhooks when a batch ends (batches/webhooks/, docs/webhooks.md) ------------------
+# A failed delivery is retried after base × 2^(n-1) seconds, capped at the max, jittered into the upper
+# half (a gap never exceeds the max), until RELAY_WEBHOOK_MAX_AGE_SECONDS after the event: then it fails.
+# An endpoint whose every delivery failed for that long is paused (kept, sent when resumed).
+RELAY_WEBHOOK_RETRY_BASE_SECONDS = env.float("RELAY_WEBHOOK_RETRY_BASE_SECONDS", default=5.0)
+RELAY_WEBHOOK_RETRY_MAX_SECONDS = env.float("RELAY_WEBHOOK_RETRY_MAX_SECONDS", default=3600.0)
+RELAY_WEBHOOK_MAX_AGE_SECONDS = env.int("RELAY_WEBHOOK_MAX_AGE_SECONDS", default=72 * 3600)
+if not 0 < RELAY_WEBHOOK_RETRY_BASE_SECONDS <= RELAY_WEBHOOK_RETRY_MAX_SECONDS:
+    raise ImproperlyConfigured("RELAY_WEBHOOK_RETRY_BASE_SECONDS must be > 0 and <= RELAY_WEBHOOK_RETRY_MAX_SECONDS")
+# A failing endpoint not tried for this long gets its next delivery now: a receiver back from an outage
+# has its backlog within about this, however far the backoff has grown.
+RELAY_WEBHOOK_PROBE_SECONDS = env.float("RELAY_WEBHOOK_PROBE_SECONDS", default=30.0)
+# How often the webhook sweep re-sends lost delivery messages (a Redis flush, a killed worker).
+RELAY_WEBHOOK_SWEEP_SECONDS = env.float("RELAY_WEBHOOK_SWEEP_SECONDS", default=5.0)
+# Hosts exempt from the SSRF guard (any address, plain http allowed): development and tests only.
+# Embedded mode lists 127.0.0.1 (relay/embedded.py), so a receiver on the same machine works.
+RELAY_WEBHOOK_ALLOWED_HOSTS = env.list("RELAY_WEBHOOK_ALLOWED_HOSTS", default=[])
+CELERY_BEAT_SCHEDULE["webhook-sweeper"] = {
+    "task": "batches.webhooks.tasks.sweep",
+    "schedule": RELAY_WEBHOOK_SWEEP_SECONDS,
+}

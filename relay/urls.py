@@ -26,6 +26,7 @@ urlpatterns = [
     path("api/usage/", include("usage.urls")),
     *openapi.urls(),
     path("", include("batches.urls")),
+    path("", include("batches.webhooks.urls")),
 ]
 
 # Errors of API paths in the product's JSON envelope; the admin keeps Django's pages (relay.edge).

@@ -3,15 +3,19 @@
 # Sets up .venv, makes sure PostgreSQL and Redis answer on localhost, then runs
 #   bench/live_overhead.py  — issue 3: relay overhead per live request vs a direct call
 #   bench/batch.py          — issue 4: 50,000-item submit, batch throughput, 50,000-result fetch
-# Each benchmark uses its own PostgreSQL database (relay_bench, relay_bench_batch: dropped and
-# recreated each run, dropped at the end) and Redis db (9, 10: flushed at start and end), and stops
+#   bench/streaming.py      — issue 26: streamed calls: time to first byte and chunk throughput vs direct
+#   bench/webhooks.py       — batch-end webhooks: 10,000 events' delivered rate and p99, a receiver outage
+#   bench/provider_batch.py — issue 25: a 50,000-record batch in provider mode: relay CPU, memory, polls, cost
+#                             (relay_bench_provider, Redis db 8; ~7 minutes, most of it the fake's 120 s job)
+# Each benchmark uses its own PostgreSQL database (relay_bench, relay_bench_batch, relay_bench_stream: dropped and
+# recreated each run, dropped at the end) and Redis db (9, 10, 11: flushed at start and end), and stops
 # every process it started, also on Ctrl-C. About 7-8 minutes at the defaults on a 2-core machine.
 #
 # Quick mode (a few minutes; every figure, on smaller batches; no 50,000-item drain):
 #   BENCH_QUICK=1 make bench        (= make bench-quick)
 #
 # Knobs (environment; defaults in brackets; BENCH_QUICK=1 changes only the defaults):
-#   BENCH_ONLY                [live,batch] run one of them only: BENCH_ONLY=batch
+#   BENCH_ONLY                [live,batch,streaming,provider,webhooks] run some of them only: BENCH_ONLY=batch
 #   BENCH_ITEMS               [50000] items of the native submission, the results fetch and the JSONL upload
 #   BENCH_ITEM_BYTES          [650]   size of one request (50,000 x 650 B = a 31 MiB body)
 #   BENCH_THROUGHPUT_ITEMS    [2000]  items of the throughput batch, at BENCH_LATENCY_MS
@@ -37,6 +41,19 @@
 #   BENCH_LIVE_CONCURRENCY    [8]     client threads of the requests/s figure
 #   BENCH_LIVE_SECONDS        [5]     duration of the requests/s figure, per target
 #   BENCH_LIVE_UPSTREAM_DELAY_MS [0]  fake-upstream latency of the live benchmark
+#   BENCH_STREAM_N            [200]   first-byte pairs (relay, direct) of the streaming benchmark
+#   BENCH_STREAM_SECONDS      [3]     duration of each of its throughput cells (1 and 50 streams, unpaced and paced)
+#   BENCH_STREAM_EVENT_MS     [10]    pace of its paced cells (ms between two events, a fast model's pace)
+#   BENCH_STREAM_OPEN         [200]   streams held open while /healthz and whole answers are timed
+#   BENCH_HOOKS_EVENTS        [10000] webhook events raised at BENCH_HOOKS_RATE [200]/s (bench/webhooks.py) …
+#   BENCH_HOOKS_BURST         [2000]  … then raised at once; BENCH_HOOKS_OUTAGE_S [60] of receiver outage at
+#                                     BENCH_HOOKS_OUTAGE_RATE [5]/s; BENCH_HOOKS_ITEMS [12000] keep the item slots busy
+#   BENCH_REDIS_DB_HOOKS      [14]    the webhook benchmark's Redis db (PostgreSQL: relay_bench_hooks)
+#   BENCH_PROVIDER_ITEMS      [50000] records of the provider-mode batch (OpenAI surface, binding batch_mode provider)
+#   BENCH_PROVIDER_JOB_SECONDS [120]  how long the fake provider runs that job (the relay polls at its defaults)
+#   BENCH_PROVIDER_WARMUP     [2000]  records of a small provider-mode batch first (a 5 s job); 0 skips it
+#   BENCH_PROVIDER_RELAY_SAMPLE [2000] records run by the relay's worker (relay mode) for the cost table; 0 skips it
+#   BENCH_REDIS_DB_PROVIDER   [8]     Redis db of the provider benchmark
 #   BENCH_PG_URL              [postgres://postgres:postgres@127.0.0.1:5432]
 #   BENCH_REDIS_URL           [redis://127.0.0.1:6379]
 #   BENCH_REDIS_DB_LIVE       [9]     Redis dbs of the two benchmarks; a db holding someone else's keys
@@ -48,22 +65,34 @@ if [[ ${BENCH_QUICK:-0} == 1 ]]; then
   export BENCH_CEILING_ITEMS=${BENCH_CEILING_ITEMS:-200} BENCH_DRAIN_LARGE_ITEMS=${BENCH_DRAIN_LARGE_ITEMS:-0}
   export BENCH_SCALE_ITEMS=${BENCH_SCALE_ITEMS:-96} BENCH_RL_ITEMS=${BENCH_RL_ITEMS:-60}
   export BENCH_LIVE_N=${BENCH_LIVE_N:-200} BENCH_LIVE_WARMUP=${BENCH_LIVE_WARMUP:-30} BENCH_LIVE_SECONDS=${BENCH_LIVE_SECONDS:-3}
+  export BENCH_STREAM_N=${BENCH_STREAM_N:-100} BENCH_STREAM_SECONDS=${BENCH_STREAM_SECONDS:-2}
+  export BENCH_HOOKS_EVENTS=${BENCH_HOOKS_EVENTS:-2000} BENCH_HOOKS_BURST=${BENCH_HOOKS_BURST:-500} BENCH_HOOKS_OUTAGE_S=${BENCH_HOOKS_OUTAGE_S:-20} BENCH_HOOKS_ITEMS=${BENCH_HOOKS_ITEMS:-4000}
+  export BENCH_PROVIDER_ITEMS=${BENCH_PROVIDER_ITEMS:-5000} BENCH_PROVIDER_JOB_SECONDS=${BENCH_PROVIDER_JOB_SECONDS:-30}
 fi
 bash scripts/venv.sh requirements-dev.txt
 bash scripts/services.sh
 echo "make bench: load before the run: $(uptime)"
 
-only=",${BENCH_ONLY:-live,batch},"
+only=",${BENCH_ONLY:-live,batch,streaming,provider,webhooks},"
 start=$SECONDS
 failed=()
+if [[ $only == *,live,* || $only == *,streaming,* ]] && [[ ${BENCH_PEER:-1} != 0 ]]; then
+  bash scripts/bench-litellm-venv.sh || echo "make bench: the LiteLLM peer could not be installed; its figures will be skipped"
+fi
 if [[ $only == *,live,* ]]; then
-  if [[ ${BENCH_PEER:-1} != 0 ]]; then
-    bash scripts/bench-litellm-venv.sh || echo "make bench: the LiteLLM peer could not be installed; its figures will be skipped"
-  fi
   .venv/bin/python -m bench.live_overhead || failed+=(live_overhead)
 fi
 if [[ $only == *,batch,* ]]; then
   .venv/bin/python -m bench.batch || failed+=(batch)
+fi
+if [[ $only == *,streaming,* ]]; then
+  .venv/bin/python -m bench.streaming || failed+=(streaming)
+fi
+if [[ $only == *,webhooks,* ]]; then
+  .venv/bin/python -m bench.webhooks || failed+=(webhooks)
+fi
+if [[ $only == *,provider,* ]]; then
+  .venv/bin/python -m bench.provider_batch || failed+=(provider_batch)
 fi
 commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 echo "make bench: $((SECONDS - start)) s in all, at commit $commit; load after the run: $(uptime)"

@@ -149,6 +149,11 @@ LONG_TESTS = {
     "test_a_call_with_a_cancel_is_watched_while_the_watchdog_sleeps_to_a_far_deadline": 6,
     # The embedded tier's first test starts its whole stack (SQLite, redis-server, gunicorn, Celery).
     "test_the_stack_keeps_to_its_own_sqlite_redis_and_state_directory": 12,
+    # Only where the LiteLLM venv exists (tests/test_litellm_peer.py; CI's clean checkout skips them).
+    "test_litellm_sdk_streams_through_the_relay_and_usage_is_recorded": 35,
+    "test_litellm_proxy_forwards_files_and_batches_under_either_prefix": 45,
+    "test_control_worker_killed_and_redis_flushed_mid_job_loses_nothing": 10,
+    "test_a_postgresql_restart_mid_job_loses_nothing": 8,
 }
 TIER_SECONDS = {"unit": 0.02, "integration": 0.1, "e2e": 2.0}
 

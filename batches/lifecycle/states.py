@@ -25,6 +25,8 @@ Item::
     available ──claim──▶ running ──finish──▶ completed | discarded | cancelled
         │                   └──lease expired / wait / retry──▶ available
         └──cancel / expiry──▶ cancelled
+    delegated ──provider job's results──▶ completed | discarded | cancelled   (batches/provider/)
+        └──back to the relay (auto mode)──▶ available
 
 A move is one conditional UPDATE whose WHERE names the statuses the table
 allows it from, so two processes racing for the same move cannot both make
@@ -36,9 +38,9 @@ database's constraints are built from them (docs/decisions/0015-engine-rooms.md)
 checked against them when this module loads.
 """
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
-from django.db import connection
+from django.db import connection, transaction
 from django.db.models import Q
 from django.utils import timezone
 
@@ -92,6 +94,8 @@ TRANSITIONS = {
 ITEM_TRANSITIONS: dict[str, frozenset] = {
     St.AVAILABLE: frozenset({St.RUNNING, St.CANCELLED}),
     St.RUNNING: frozenset({St.AVAILABLE, St.COMPLETED, St.DISCARDED, St.CANCELLED}),
+    # At the provider (batches/provider/): its results end it, or (auto mode) it comes back to the relay.
+    St.DELEGATED: frozenset({St.AVAILABLE, St.COMPLETED, St.DISCARDED, St.CANCELLED}),
     St.COMPLETED: frozenset(),
     St.DISCARDED: frozenset(),
     St.CANCELLED: frozenset(),
@@ -154,12 +158,40 @@ def move(batch_id, surface: str, to: str, *, frm: Iterable[str] | None = None, *
 
     The status's timestamp is stamped unless the caller passes it (OpenAI:
     in_progress_at, finalizing_at, …; native: completed_at; Anthropic: cancelling_at, completed_at).
+    A move into a final status runs the end hooks (`on_end`) inside its transaction.
     """
     allowed = sources(surface, to, frm)
     stamp = STAMPS[surface].get(to)
     if stamp and stamp not in fields:
         fields[stamp] = timezone.now()
-    return Batch.objects.filter(pk=batch_id, surface=surface, status__in=allowed).update(status=to, **fields) > 0
+    rows = Batch.objects.filter(pk=batch_id, surface=surface, status__in=allowed)
+    if to not in TERMINAL or not END_HOOKS:
+        return rows.update(status=to, **fields) > 0
+    # What the end hooks will write is looked up first (one statement): when nothing is (no webhook endpoint
+    # subscribed), the move stays one statement. Otherwise their writes commit with the move or not at all (no
+    # savepoint of its own inside a caller's transaction; a transaction of its own outside one).
+    writers = [writer for hook in END_HOOKS if (writer := hook(batch_id, surface, to)) is not None]
+    if not writers:
+        return rows.update(status=to, **fields) > 0
+    with transaction.atomic(savepoint=False):
+        if not rows.update(status=to, **fields):
+            return False
+        for write in writers:
+            write()
+    return True
+
+
+# Called as hook(batch_id, surface, status) before every move into a final status: None when it has nothing
+# to write, else a function run inside the move's transaction: writes that must commit with a batch's end or
+# not at all (the webhook outbox, batches/webhooks/outbox.py). Registered at start-up by the app that needs
+# it (its AppConfig.ready), so this module imports none of them.
+END_HOOKS: list[Callable[[object, str, str], Callable[[], None] | None]] = []
+
+
+def on_end(hook: Callable[[object, str, str], Callable[[], None] | None]) -> None:
+    """Register `hook` for every final move (once, however often it is registered)."""
+    if hook not in END_HOOKS:
+        END_HOOKS.append(hook)
 
 
 # Validation and finalization do file work between statements while they hold their batch's row:

@@ -1,0 +1,131 @@
+"""The operator's view of webhooks: endpoints (paused ones say so, with pause and resume actions) and
+deliveries (their event, webhook-id, every attempt, and a re-send action). Secrets are never shown: only
+their hints. Endpoints are a tenant's own (the API creates them); the admin does not add or edit them."""
+
+import json
+
+from django.contrib import admin, messages
+from django.utils.html import format_html
+
+from batches.webhooks import services
+from batches.webhooks.models import Delivery, DeliveryAttempt, WebhookEndpoint
+from relay.admin_base import ViewOnlyAdmin
+
+
+@admin.register(WebhookEndpoint)
+class WebhookEndpointAdmin(ViewOnlyAdmin):
+    list_display = ("name", "shown_id", "url", "types", "health", "created_at")
+    list_filter = ("paused_at", "created_at")
+    search_fields = ("id", "name", "url", "owner_hash")
+    fields = (
+        "shown_id",
+        "name",
+        "url",
+        "event_types",
+        "owner_hash",
+        "project_id",
+        "team_id",
+        "secret_hint",
+        "previous_secret_expires_at",
+        "health",
+        "failing_since",
+        "last_failure_at",
+        "paused_at",
+        "created_at",
+        "updated_at",
+    )
+    readonly_fields = fields
+    actions = ("resume", "pause")
+
+    @admin.display(description="id")
+    def shown_id(self, obj):
+        return obj.public_id
+
+    @admin.display(description="event types")
+    def types(self, obj):
+        return ", ".join(obj.event_types)
+
+    @admin.display(description="deliveries")
+    def health(self, obj):
+        if obj.paused_at is not None:
+            return format_html(
+                "<strong style='color:#ba2121'>Paused since {}</strong>: every delivery failed; its pending "
+                "events are kept and sent once it is resumed (action “Resume deliveries”).",
+                obj.paused_at.strftime("%Y-%m-%d %H:%M UTC"),
+            )
+        if obj.failing_since is not None:
+            return format_html("Failing since {}", obj.failing_since.strftime("%Y-%m-%d %H:%M UTC"))
+        return "Active"
+
+    @admin.action(description="Resume deliveries (send what was kept)")
+    def resume(self, request, queryset):
+        sent = sum(services.resume(endpoint) for endpoint in queryset)
+        self.message_user(request, f"Resumed {queryset.count()} endpoint(s); {sent} waiting deliveries sent.")
+
+    @admin.action(description="Pause deliveries")
+    def pause(self, request, queryset):
+        for endpoint in queryset:
+            services.pause(endpoint)
+        self.message_user(request, f"Paused {queryset.count()} endpoint(s).", messages.WARNING)
+
+
+class AttemptInline(admin.TabularInline):
+    """Every POST of the delivery: when, the receiver's status, how long, the first KiB of its answer."""
+
+    model = DeliveryAttempt
+    fields = ("number", "started_at", "duration_ms", "status_code", "delivered", "error", "response_head")
+    readonly_fields = fields
+    extra = 0
+    max_num = 0
+    can_delete = False
+    ordering = ("-number",)
+
+    def has_add_permission(self, request, obj=None):
+        return False
+
+
+@admin.register(Delivery)
+class DeliveryAdmin(ViewOnlyAdmin):
+    inlines = [AttemptInline]
+    list_display = ("webhook_id", "event_type", "endpoint", "outcome", "attempts", "last_status_code", "created_at")
+    list_filter = ("outcome", "event__type", "created_at")
+    search_fields = ("id", "endpoint__name", "event__batch_id")
+    list_select_related = ("event", "endpoint")
+    show_full_result_count = False
+    fields = (
+        "webhook_id",
+        "endpoint",
+        "event_type",
+        "batch",
+        "outcome",
+        "attempts",
+        "next_attempt_at",
+        "schedule_from",
+        "last_attempt_at",
+        "delivered_at",
+        "last_status_code",
+        "last_error",
+        "body",
+    )
+    readonly_fields = fields
+    actions = ("resend",)
+
+    @admin.display(description="event")
+    def event_type(self, obj):
+        return f"{obj.event.type}{' (test)' if obj.event.test else ''}"
+
+    @admin.display(description="batch")
+    def batch(self, obj):
+        return str(obj.event.batch_id) if obj.event.batch_id else "—"
+
+    @admin.display(description="body sent")
+    def body(self, obj):
+        return format_html(
+            "<pre style='white-space:pre-wrap'>{}</pre>", json.dumps(json.loads(obj.event.body), indent=2)
+        )
+
+    @admin.action(description="Re-send (same webhook-id)")
+    def resend(self, request, queryset):
+        for delivery in queryset:
+            services.resend(delivery)
+        self.message_user(request, f"Re-sent {queryset.count()} deliveries.")

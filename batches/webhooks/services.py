@@ -1,0 +1,232 @@
+"""Writes: an owner's webhook endpoints (create, update, delete, rotate the secret, send a test), a
+delivery's resend, and the operator's pause and resume. The API's views and the admin call these."""
+
+import json
+import logging
+from datetime import timedelta
+
+import uuid6
+from django.db import transaction
+from django.utils import timezone
+
+from batches.errors import OpenAIError, invalid, missing
+from batches.webhooks import delivery as deliveries
+from batches.webhooks import events, guard, outbox, signing
+from batches.webhooks.models import Delivery, DeliveryOutcome, Event, WebhookEndpoint
+from relay import crypto
+from relay.auth import Principal
+from relay.errors import quoted
+
+log = logging.getLogger(__name__)
+
+FIELDS = ("url", "name", "event_types")
+NAME_MAX = 200
+# keep_old_secret_active_for_24_hours: how long the rotated-out secret still signs.
+OVERLAP = timedelta(hours=24)
+
+
+# --- validation -----------------------------------------------------------------------------------
+
+
+def _unknown(body: dict, allowed) -> None:
+    for key in body:
+        if key not in allowed:
+            raise invalid(f"Unrecognized request argument supplied: {quoted(key)}.", param=str(key)[:64])
+
+
+def _name(value) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise invalid("Invalid 'name': expected a non-empty string.", param="name")
+    if len(value) > NAME_MAX:
+        raise invalid(f"Invalid 'name': at most {NAME_MAX} characters.", param="name")
+    return value.strip()
+
+
+def _url(value) -> str:
+    if not isinstance(value, str):
+        raise invalid("Invalid 'url': expected a string.", param="url")
+    try:
+        guard.check(value)
+    except (guard.Blocked, guard.Unresolvable) as exc:
+        raise invalid(f"Invalid 'url': {quoted(value, 200)} {exc.message}.", param="url") from exc
+    return value
+
+
+def event_type(value, param: str = "event_type") -> str:
+    if not isinstance(value, str) or value not in events.EVENT_TYPES:
+        raise invalid(
+            f"Invalid '{param}': {quoted(value) if isinstance(value, str) else 'expected a string'} is not an event "
+            f"type this relay emits ({', '.join(events.EVENT_TYPES)}).",
+            param=param,
+        )
+    return value
+
+
+def _event_types(value) -> list[str]:
+    if not isinstance(value, list) or not value:
+        raise invalid("Invalid 'event_types': expected a non-empty array of event types.", param="event_types")
+    out: list[str] = []
+    for i, item in enumerate(value):
+        kind = event_type(item, f"event_types[{i}]")
+        if kind not in out:
+            out.append(kind)
+    return out
+
+
+# --- endpoints ------------------------------------------------------------------------------------
+
+
+def create_endpoint(principal: Principal, body: dict) -> tuple[WebhookEndpoint, str]:
+    """A new endpoint of the caller's and its signing secret (shown this once)."""
+    _unknown(body, FIELDS)
+    for field in FIELDS:
+        if field not in body:
+            raise missing(field)
+    name, event_types, url = _name(body["name"]), _event_types(body["event_types"]), _url(body["url"])
+    secret = signing.new_secret()
+    attribution = principal.attribution()
+    now = timezone.now()
+    endpoint = WebhookEndpoint.objects.create(
+        id=uuid6.uuid7(),
+        owner_hash=principal.owner_hash,
+        project_id=attribution.get("project_id"),
+        team_id=attribution.get("team_id"),
+        name=name,
+        url=url,
+        event_types=event_types,
+        secret_sealed=crypto.encrypt(secret),
+        secret_hint=signing.hint(secret),
+        created_at=now,
+        updated_at=now,
+    )
+    log.info("webhook endpoint %s created for %s", endpoint.public_id, event_types)
+    return endpoint, secret
+
+
+def update_endpoint(endpoint: WebhookEndpoint, body: dict) -> WebhookEndpoint:
+    """Change the url, name and/or event types; updated_at moves only when something changed."""
+    _unknown(body, FIELDS)
+    changes = {}
+    if "name" in body:
+        changes["name"] = _name(body["name"])
+    if "event_types" in body:
+        changes["event_types"] = _event_types(body["event_types"])
+    if "url" in body:
+        changes["url"] = _url(body["url"])
+    changes = {k: v for k, v in changes.items() if getattr(endpoint, k) != v}
+    if changes:
+        changes["updated_at"] = timezone.now()
+        WebhookEndpoint.objects.filter(pk=endpoint.pk).update(**changes)
+        for key, value in changes.items():
+            setattr(endpoint, key, value)
+    return endpoint
+
+
+def delete_endpoint(endpoint: WebhookEndpoint) -> None:
+    """The endpoint and its deliveries (an event no endpoint holds any more is removed with it)."""
+    with transaction.atomic():
+        event_ids = list(Delivery.objects.filter(endpoint=endpoint).values_list("event_id", flat=True))
+        endpoint.delete()
+        Event.objects.filter(pk__in=event_ids, deliveries__isnull=True).delete()
+
+
+def rotate_secret(endpoint: WebhookEndpoint, body: dict) -> tuple[WebhookEndpoint, str]:
+    """A new signing secret; with keep_old_secret_active_for_24_hours, deliveries carry both signatures for 24 h."""
+    _unknown(body, ("keep_old_secret_active_for_24_hours",))
+    keep = body.get("keep_old_secret_active_for_24_hours", False)
+    if not isinstance(keep, bool):
+        raise invalid(
+            "Invalid 'keep_old_secret_active_for_24_hours': expected a boolean.",
+            param="keep_old_secret_active_for_24_hours",
+        )
+    secret, now = signing.new_secret(), timezone.now()
+    changes = {
+        "secret_sealed": crypto.encrypt(secret),
+        "secret_hint": signing.hint(secret),
+        "previous_secret_sealed": endpoint.secret_sealed if keep else "",
+        "previous_secret_expires_at": now + OVERLAP if keep else None,
+        "updated_at": now,
+    }
+    WebhookEndpoint.objects.filter(pk=endpoint.pk).update(**changes)
+    for key, value in changes.items():
+        setattr(endpoint, key, value)
+    log.info("webhook endpoint %s: secret rotated (old one kept: %s)", endpoint.public_id, keep)
+    return endpoint, secret
+
+
+def send_test(endpoint: WebhookEndpoint, body: dict) -> deliveries.Answer:
+    """A real signed delivery of a sample event of `event_type`, now, once (no retry); recorded among the
+    endpoint's deliveries. 400 when the receiver could not be reached at all."""
+    _unknown(body, ("event_type",))
+    if "event_type" not in body:
+        raise missing("event_type")
+    kind = event_type(body["event_type"])
+    now = timezone.now()
+    event_id = uuid6.uuid7()
+    event = Event.objects.create(
+        id=event_id,
+        type=kind,
+        owner_hash=endpoint.owner_hash,
+        created_at=now,
+        body=events.body(event_id, kind, now, events.sample_data(kind)),
+        test=True,
+    )
+    delivery = Delivery.objects.create(
+        id=uuid6.uuid7(), event=event, endpoint=endpoint, next_attempt_at=now, schedule_from=now, created_at=now
+    )
+    answer = deliveries.send(deliveries.prepare(endpoint.url), endpoint, delivery.webhook_id, event.body.encode())
+    with transaction.atomic():
+        deliveries.log_attempt(delivery, 1, answer)
+        Delivery.objects.filter(pk=delivery.pk).update(
+            outcome=DeliveryOutcome.DELIVERED if answer.ok else DeliveryOutcome.FAILED,
+            delivered_at=answer.started_at if answer.ok else None,
+            attempts=1,
+            last_attempt_at=answer.started_at,
+            last_status_code=answer.status_code,
+            last_error=answer.error,
+        )
+    if answer.status_code is None:
+        raise OpenAIError(
+            400, "webhook_endpoint_unreachable", f"The test event could not be delivered: {answer.error}."
+        )
+    return answer
+
+
+def sample(event_type_: str) -> dict:
+    """A sample event of a type, as its deliveries show it (for docs and the admin)."""
+    now = timezone.now()
+    return json.loads(events.body(uuid6.uuid7(), event_type_, now, events.sample_data(event_type_)))
+
+
+# --- deliveries -----------------------------------------------------------------------------------
+
+
+def resend(delivery: Delivery) -> Delivery:
+    """Send a delivery again, whatever became of it: same webhook-id and body, a fresh retry schedule."""
+    now = timezone.now()
+    with transaction.atomic():
+        Delivery.objects.filter(pk=delivery.pk).update(
+            outcome=DeliveryOutcome.PENDING, delivered_at=None, next_attempt_at=now, schedule_from=now
+        )
+        transaction.on_commit(lambda: outbox.send([delivery.pk]))
+    delivery.refresh_from_db()
+    log.info("webhook %s re-sent", delivery.webhook_id)
+    return delivery
+
+
+def pause(endpoint: WebhookEndpoint) -> None:
+    """The operator stops deliveries to an endpoint; what waits is kept for its resume."""
+    WebhookEndpoint.objects.filter(pk=endpoint.pk, paused_at__isnull=True).update(paused_at=timezone.now())
+
+
+def resume(endpoint: WebhookEndpoint) -> int:
+    """Deliveries to a paused endpoint start again: everything it kept is due now, on a fresh schedule."""
+    now = timezone.now()
+    with transaction.atomic():
+        WebhookEndpoint.objects.filter(pk=endpoint.pk).update(paused_at=None, failing_since=None, last_failure_at=None)
+        pending = Delivery.objects.filter(endpoint=endpoint, outcome=DeliveryOutcome.PENDING)
+        waiting = list(pending.values_list("id", flat=True))
+        Delivery.objects.filter(pk__in=waiting).update(next_attempt_at=now, schedule_from=now)
+        transaction.on_commit(lambda: outbox.send(waiting[: deliveries.RELEASE_LIMIT]))
+    log.info("webhook endpoint %s resumed: %d deliveries waiting", endpoint.public_id, len(waiting))
+    return len(waiting)
