@@ -153,8 +153,9 @@ def test_control_worker_killed_and_redis_flushed_mid_job_loses_nothing(oai, mode
     relay_id = Item.objects.values_list("batch_id", flat=True).first()
     assert UsageEvent.objects.filter(batch_id=str(relay_id)).count() == 20  # nothing billed twice
     job = ProviderJob.objects.get()
-    # One poll per job (never per record), spaced by the poll interval whatever the messages did.
-    assert job.polls == len(modes.polls(job.upstream_id))
+    # Every poll the provider saw was one the job's row let through (a worker killed between taking a poll
+    # and sending it leaves one taken but unsent): duplicate messages never polled on their own.
+    assert len(modes.polls(job.upstream_id)) <= job.polls
 
 
 @pytest.mark.skipif(_pg_cluster() is None, reason="needs root and the machine's own PostgreSQL cluster to restart")
