@@ -29,7 +29,7 @@ class PolicyHostKeyInline(admin.TabularInline):
 
 @admin.register(Policy)
 class PolicyAdmin(admin.ModelAdmin):
-    list_display = ("name", "project", "key_selection", "rate_limit", "enabled", "batch_enabled")
+    list_display = ("name", "project", "key_selection", "rate_limit", "enabled", "batch_enabled", "batch_share")
     list_filter = ("enabled", "batch_enabled", "key_selection", "project")
     search_fields = ("name", "project__name")
     inlines = [PolicyHostKeyInline]

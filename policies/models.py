@@ -1,5 +1,7 @@
 """Policies: what a credential may call, through which host keys, how fast."""
 
+from decimal import Decimal
+
 from django.db import models
 from django.db.models import Q
 from django.utils import timezone
@@ -82,6 +84,11 @@ class Policy(models.Model):
     enabled = models.BooleanField(default=True)
     # The OpenAI-compatible batch surface answers 404 when this is off.
     batch_enabled = models.BooleanField(default=True)
+    # Live first: the most of a shared limit (a host key's provider quota or tier, this policy's rate
+    # limit) batch items may take while live traffic is active on it; all of it when live is quiet.
+    batch_share = models.DecimalField(
+        max_digits=3, decimal_places=2, default=Decimal("0.80"), help_text="0.00 to 1.00; default 0.80"
+    )
     created_at = models.DateTimeField(default=timezone.now)
 
     objects = CatalogQuerySet.as_manager()  # bulk writes bump the catalog generation
@@ -91,7 +98,10 @@ class Policy(models.Model):
         constraints = [
             models.CheckConstraint(
                 condition=Q(key_selection__in=[k.value for k in KeySelection]), name="policy_key_selection_valid"
-            )
+            ),
+            models.CheckConstraint(
+                condition=Q(batch_share__gte=0) & Q(batch_share__lte=1), name="policy_batch_share_range"
+            ),
         ]
 
     def __str__(self):

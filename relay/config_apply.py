@@ -372,7 +372,18 @@ def _host_key(e, report, where):
 
 @_wrap_validation
 def _policy(e, report, where):
-    _allowed(e, "name", "project", "models", "host_keys", "key_selection", "rate_limit", "enabled", "batch_enabled")
+    _allowed(
+        e,
+        "name",
+        "project",
+        "models",
+        "host_keys",
+        "key_selection",
+        "rate_limit",
+        "enabled",
+        "batch_enabled",
+        "batch_share",
+    )
     grants = e.get("models") or []
     if not isinstance(grants, list) or not all(isinstance(g, str) and g for g in grants):
         raise ConfigError("'models' must be a list of grants such as openai/gpt-4o@openai, openai/*, *")
@@ -389,6 +400,7 @@ def _policy(e, report, where):
         "rate_limit": _ref(RateLimit, e["rate_limit"], "rate limit") if e.get("rate_limit") else None,
         "enabled": _bool(e, "enabled", True),
         "batch_enabled": _bool(e, "batch_enabled", True),
+        "batch_share": _share(e.get("batch_share", "0.8")),
     }
     policy, _ = _upsert(Policy, {"name": _required(e, "name")}, values, report, f"policy {e['name']}")
     current = list(policy.pool_links.order_by("position").values_list("host_key_id", flat=True))
@@ -398,6 +410,19 @@ def _policy(e, report, where):
             PolicyHostKey(policy=policy, host_key=k, position=i) for i, k in enumerate(key_objs)
         )
         _mark_updated(report, f"policy {policy.name}")
+
+
+def _share(value) -> Decimal:
+    """A policy's batch_share: a number from 0 to 1 with at most two decimals."""
+    if isinstance(value, bool):
+        raise ConfigError("'batch_share' must be a number from 0 to 1, such as 0.8")
+    try:
+        share = Decimal(str(value))
+    except (ArithmeticError, ValueError, InvalidOperation):
+        raise ConfigError("'batch_share' must be a number from 0 to 1, such as 0.8") from None
+    if not share.is_finite() or not 0 <= share <= 1 or share != share.quantize(Decimal("0.01")):
+        raise ConfigError("'batch_share' must be a number from 0 to 1 with at most two decimals, such as 0.8")
+    return share.quantize(Decimal("0.01"))
 
 
 def validate_grant(grant: str) -> None:
