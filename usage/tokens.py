@@ -11,6 +11,7 @@ A usage block we cannot read must never fail a request that has already
 been answered, so anything malformed counts as zero.
 """
 
+import json
 from dataclasses import dataclass
 
 
@@ -72,3 +73,32 @@ def _count(obj: dict, key: str) -> int:
     if isinstance(value, int) and not isinstance(value, bool) and value > 0:
         return value
     return 0
+
+
+# A request's worst case before its call, for what must be reserved ahead (a provider's token quota,
+# a spend budget). Prompts are estimated from their size: ~4 characters per token is OpenAI's own rule
+# of thumb for English, and counting the whole JSON body (keys and punctuation included) errs high,
+# which is the side a reservation must err on. Output is what the request allows itself.
+CHARS_PER_TOKEN = 4
+# When a request names no output limit (OpenAI's are optional) the reservation assumes this many.
+DEFAULT_MAX_OUTPUT = 4096
+_OUTPUT_LIMITS = ("max_completion_tokens", "max_output_tokens", "max_tokens")
+
+
+def estimate(body: dict, prompt_chars: int | None = None) -> Tokens:
+    """Input and output tokens a request may use at most, before its call: the prompt from its size
+    (`prompt_chars`, when the caller knows the body's serialized length, else measured here) and the
+    output from `max_completion_tokens` / `max_output_tokens` / `max_tokens`."""
+    if prompt_chars is None:
+        try:
+            prompt_chars = len(json.dumps(body, separators=(",", ":"), ensure_ascii=False))
+        except (TypeError, ValueError):
+            prompt_chars = 0
+    output = DEFAULT_MAX_OUTPUT
+    if isinstance(body, dict):
+        for name in _OUTPUT_LIMITS:
+            value = body.get(name)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                output = value
+                break
+    return Tokens(input=-(-prompt_chars // CHARS_PER_TOKEN), output=output)
