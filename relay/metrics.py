@@ -20,8 +20,9 @@ Series (all prefixed `relay_`):
 - webhook_deliveries{outcome}, webhook_oldest_undelivered_age_seconds, webhook_endpoints_paused
                                                           gauges, from the webhook outbox (batches/webhooks)
 
-The histograms and usage counters aggregate the whole usage table at each scrape (one grouped
-query each); retention that deletes rows makes them step down, which Prometheus reads as a reset.
+The upstream histogram and the usage counters are read from a rollup kept incrementally
+(relay/metrics_rollup.py): a scrape counts the events written since the last count, never the whole
+usage table, and retention deleting usage events leaves the counters where they are.
 
 No label value is a string a tenant chose (decision 0014): `model` is a model of the catalog, and every
 other name a usage event holds (an unknown model, a non-string `model`'s text) is counted under
@@ -37,7 +38,7 @@ import logging
 from datetime import timedelta
 
 from django.conf import settings
-from django.db.models import Case, CharField, Count, DurationField, ExpressionWrapper, F, Q, Sum, Value, When
+from django.db.models import Count, DurationField, ExpressionWrapper, F, Q, Sum
 from django.http import HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 from prometheus_client import CollectorRegistry, generate_latest
@@ -46,15 +47,17 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from batches import dispatch
 from batches.queues import QUEUES
+from relay import metrics_rollup
 from relay.errors import RelayError
+from relay.metrics_rollup import UPSTREAM_BUCKETS_S
 
 log = logging.getLogger(__name__)
 
 RUN_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
-UPSTREAM_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+# New usage events a scrape counts itself; the beat job (relay.tasks.roll_up_metrics) catches up the rest.
+SCRAPE_MAX_ROWS = 50_000
 BREAKER_STATES = ("closed", "half_open", "open")
 NANO = 1_000_000_000
-UNKNOWN_MODEL = "unknown"
 
 
 def _le(bound) -> str:
@@ -129,56 +132,40 @@ def item_run_seconds():
     )
 
 
-def upstream_seconds():
-    from usage.models import UsageEvent
+def _rollup() -> list:
+    """The usage rollup after counting what was written since its last run (relay/metrics_rollup.py): a
+    scrape reads a few hundred rows, not the usage table. When the control worker's run holds the cursor
+    the scrape serves the rollup as it stands (it lags by at most that run)."""
+    metrics_rollup.advance(SCRAPE_MAX_ROWS)
+    return list(metrics_rollup.rows())
 
-    aggregates = {f"le_{i}": Count("pk", filter=Q(duration_ms__lte=b * 1000)) for i, b in enumerate(UPSTREAM_BUCKETS_S)}
-    rows = (
-        UsageEvent.objects.exclude(host="")
-        .values("host", "status", "source")
-        .annotate(n=Count("pk"), total=Sum("duration_ms"), **aggregates)
-        .order_by()
-    )
+
+def upstream_seconds(rollup=None):
+    by_labels: dict = {}
+    for r in rollup if rollup is not None else _rollup():
+        if not r.host:
+            continue
+        h = by_labels.setdefault((r.host, str(r.status), r.source), [[0] * len(UPSTREAM_BUCKETS_S), 0, 0])
+        h[0] = [a + b for a, b in zip(h[0], r.buckets, strict=True)]
+        h[1] += r.n
+        h[2] += r.duration_ms
     yield _histogram(
         "relay_upstream_request_seconds",
         "Duration of requests that reached a host (live and batch), by host, final status and source.",
         ["host", "status", "source"],
         [
-            (
-                [r["host"], str(r["status"]), r["source"]],
-                {b: r[f"le_{i}"] for i, b in enumerate(UPSTREAM_BUCKETS_S)},
-                r["n"],
-                (r["total"] or 0) / 1000,
-            )
-            for r in rows
+            (list(labels), dict(zip(UPSTREAM_BUCKETS_S, counts, strict=True)), n, total / 1000)
+            for labels, (counts, n, total) in sorted(by_labels.items())
         ],
         UPSTREAM_BUCKETS_S,
     )
 
 
-def _catalog_model():
-    """The usage event's model as a label: its own name when the catalog has that model, else "unknown"
-    (folded by the database, so rows of junk names never reach this process one by one)."""
-    from relay.models import LLMModel
-
-    return Case(
-        When(model__in=LLMModel.objects.values("name"), then=F("model")),
-        default=Value(UNKNOWN_MODEL),
-        output_field=CharField(),
-    )
-
-
-def usage_counters():
-    from usage.models import UsageEvent
-
-    events = UsageEvent.objects.annotate(label=_catalog_model())
+def usage_counters(rollup=None):
+    rollup = rollup if rollup is not None else _rollup()
     requests = CounterMetricFamily(
         "relay_usage_requests", "Usage events by model, source and status.", labels=["model", "source", "status"]
     )
-    for model, source, status, n in events.values_list("label", "source", "status").annotate(n=Count("pk")).order_by():
-        requests.add_metric([model, source, str(status)], n)
-    yield requests
-
     tokens = CounterMetricFamily(
         "relay_usage_tokens", "Tokens recorded in usage events.", labels=["model", "source", "kind"]
     )
@@ -190,26 +177,46 @@ def usage_counters():
         "What callers are charged (after batch discounts), USD.",
         labels=["model", "source"],
     )
-    kinds = ("input_tokens", "output_tokens", "cache_read_tokens", "cache_write_tokens")
-    rows = (
-        events.values("label", "source")
-        .annotate(
-            **{k: Sum(k) for k in kinds},
-            cost=Sum("cost_nano_usd"),
-            billed_discounted=Sum("billed_cost_nano_usd"),
-            billed_rest=Sum("cost_nano_usd", filter=Q(billed_cost_nano_usd__isnull=True)),
-        )
-        .order_by()
+    ran = CounterMetricFamily(
+        "relay_batch_records_run",
+        "Batch records that ran, by where: the relay's workers or the provider's batch API.",
+        labels=["executed_by"],
     )
-    for r in rows:
-        labels = [r["label"], r["source"]]
+    kinds = ("input_tokens", "output_tokens", "cache_read_tokens", "cache_write_tokens")
+    by_status: dict = {}
+    by_model: dict = {}
+    by_where: dict = {}
+    for r in rollup:
+        key = (r.model, r.source, str(r.status))
+        by_status[key] = by_status.get(key, 0) + r.n
+        m = by_model.setdefault((r.model, r.source), dict.fromkeys((*kinds, "cost", "billed"), 0))
         for k in kinds:
-            tokens.add_metric([*labels, k.removesuffix("_tokens")], r[k] or 0)
-        cost.add_metric(labels, (r["cost"] or 0) / NANO)
-        billed.add_metric(labels, ((r["billed_discounted"] or 0) + (r["billed_rest"] or 0)) / NANO)
+            m[k] += getattr(r, k)
+        m["cost"] += r.cost_nano_usd
+        m["billed"] += r.billed_nano_usd
+        if r.source == "batch":
+            by_where[r.executed_by] = by_where.get(r.executed_by, 0) + r.n
+    for labels, n in sorted(by_status.items()):
+        requests.add_metric(list(labels), n)
+    for labels, m in sorted(by_model.items()):
+        for k in kinds:
+            tokens.add_metric([*labels, k.removesuffix("_tokens")], m[k])
+        cost.add_metric(list(labels), m["cost"] / NANO)
+        billed.add_metric(list(labels), m["billed"] / NANO)
+    for where, n in sorted(by_where.items()):
+        ran.add_metric([where], n)
+    yield requests
     yield tokens
     yield cost
     yield billed
+    yield ran
+
+
+def usage_rollup():
+    """Every series counted from usage events, from one read of the rollup."""
+    rollup = _rollup()
+    yield from upstream_seconds(rollup)
+    yield from usage_counters(rollup)
 
 
 def breaker_snapshots() -> list[tuple[str, str, dict]]:
@@ -349,7 +356,6 @@ def webhook_deliveries():
 
 def provider_jobs():
     from batches.provider.models import ProviderJob
-    from usage.models import UsageEvent
 
     jobs = GaugeMetricFamily(
         "relay_provider_jobs", "Provider batch jobs by batch API and status.", labels=["kind", "status"]
@@ -367,16 +373,6 @@ def provider_jobs():
         records.add_metric([status], n)
     yield jobs
     yield records
-    ran = CounterMetricFamily(
-        "relay_batch_records_run",
-        "Batch records that ran, by where: the relay's workers or the provider's batch API.",
-        labels=["executed_by"],
-    )
-    for where, n in (
-        UsageEvent.objects.filter(source="batch").values_list("executed_by").annotate(n=Count("pk")).order_by()
-    ):
-        ran.add_metric([where], n)
-    yield ran
 
 
 SOURCES = (
@@ -384,8 +380,7 @@ SOURCES = (
     provider_jobs,
     queue_depth,
     item_run_seconds,
-    upstream_seconds,
-    usage_counters,
+    usage_rollup,
     breakers,
     ratelimit_denials,
     worker_slots,

@@ -273,3 +273,48 @@ class RevokedToken(models.Model):
 
     def __str__(self):
         return self.jti
+
+
+class UsageRollup(models.Model):
+    """Running totals of usage events per label set, for /metrics (relay/metrics_rollup.py).
+
+    Prometheus counters: they only grow, so retention deleting usage events never makes them step down.
+    `model` is the catalog model at the time the event was counted, else "unknown" (decision 0014)."""
+
+    model = models.CharField(max_length=200)
+    source = models.CharField(max_length=16)
+    status = models.PositiveSmallIntegerField()
+    host = models.CharField(max_length=100, blank=True, default="")
+    executed_by = models.CharField(max_length=16)
+    n = models.BigIntegerField(default=0)
+    input_tokens = models.BigIntegerField(default=0)
+    output_tokens = models.BigIntegerField(default=0)
+    cache_read_tokens = models.BigIntegerField(default=0)
+    cache_write_tokens = models.BigIntegerField(default=0)
+    cost_nano_usd = models.BigIntegerField(default=0)
+    billed_nano_usd = models.BigIntegerField(default=0)
+    duration_ms = models.BigIntegerField(default=0)
+    # Events at or under each bound of relay.metrics.UPSTREAM_BUCKETS_S (events with a host only).
+    buckets = models.JSONField(default=list)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["model", "source", "status", "host", "executed_by"], name="usage_rollup_labels_unique"
+            )
+        ]
+
+    def __str__(self):
+        return f"{self.model}/{self.source}/{self.status}/{self.host or '-'}/{self.executed_by}: {self.n}"
+
+
+class UsageRollupCursor(models.Model):
+    """How far the rollup has read the usage table: every id up to `last_id` is counted except the
+    `gaps` ([first id, last id, epoch s first seen] ranges of ids not committed when they were passed)."""
+
+    last_id = models.BigIntegerField(default=0)
+    gaps = models.JSONField(default=list)
+    updated_at = models.DateTimeField(default=timezone.now)
+
+    def __str__(self):
+        return f"usage rollup at id {self.last_id} ({len(self.gaps)} gaps)"

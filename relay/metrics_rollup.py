@@ -1,0 +1,198 @@
+"""Usage counters for /metrics, kept incrementally instead of aggregating the usage table at each scrape.
+
+At a million usage events a grouped query over the whole table took seconds per scrape. Instead,
+`advance()` reads only the events written since it last ran and adds them to `UsageRollup` (a few
+hundred rows: one per model × source × status × host × executed_by), and a scrape reads those rows.
+
+Every row is counted once, however it was written (a live request, a batch finish's CTE, a provider
+job's bulk insert, the sweeper). Ids come from a sequence, so they are handed out in order but committed
+in any order: when `advance()` passes id 1,000 the transaction holding id 998 may still be open. So
+every id it passes without seeing is kept as a gap and looked for again at each later run, until
+GAP_TTL_S after it was first missed: longer than any transaction that writes usage events stays open
+(each statement ends within RELAY_DB_STATEMENT_TIMEOUT_MS, an idle transaction within
+RELAY_DB_IDLE_IN_TRANSACTION_TIMEOUT_MS). A gap that never fills is an id a rolled-back transaction
+took.
+
+One runner at a time: the cursor row is locked for the run (`SELECT … FOR UPDATE NOWAIT`; a second
+runner skips rather than waits, so a scrape never queues behind the control worker's run). Each run
+reads at most MAX_ROWS_PER_RUN new ids, so the first run over a large existing table is done in
+slices by the beat job (`relay.tasks.roll_up_metrics`) rather than inside one scrape.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from django.db import DatabaseError, transaction
+from django.db.models import Case, CharField, Count, F, Max, Q, Sum, Value, When
+
+from relay.models import LLMModel, UsageRollup, UsageRollupCursor
+
+log = logging.getLogger(__name__)
+
+UNKNOWN_MODEL = "unknown"
+UPSTREAM_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+GAP_TTL_S = 600
+MAX_ROWS_PER_RUN = 200_000
+# Gap ranges looked up per query: an OR of this many BETWEENs stays one cheap index scan.
+GAP_CHUNK = 200
+LABELS = ("label", "source", "status", "host", "executed_by")
+SUMS = ("input_tokens", "output_tokens", "cache_read_tokens", "cache_write_tokens", "cost_nano_usd", "duration_ms")
+
+
+def _catalog_model():
+    """The event's model as a label: its own name when the catalog has that model, else "unknown"
+    (folded by the database, so rows of junk names never reach this process one by one)."""
+    return Case(
+        When(model__in=LLMModel.objects.values("name"), then=F("model")),
+        default=Value(UNKNOWN_MODEL),
+        output_field=CharField(),
+    )
+
+
+def _grouped(events):
+    """Per label set: count, sums, billed cost and the upstream duration buckets of `events`."""
+    buckets = {
+        f"le_{i}": Count("pk", filter=Q(duration_ms__lte=b * 1000) & ~Q(host=""))
+        for i, b in enumerate(UPSTREAM_BUCKETS_S)
+    }
+    return (
+        events.annotate(label=_catalog_model())
+        .values(*LABELS)
+        .annotate(
+            n=Count("pk"),
+            **{f"sum_{k}": Sum(k) for k in SUMS},
+            billed_discounted=Sum("billed_cost_nano_usd"),
+            billed_rest=Sum("cost_nano_usd", filter=Q(billed_cost_nano_usd__isnull=True)),
+            **buckets,
+        )
+        .order_by()
+    )
+
+
+def _add(totals: dict, rows) -> int:
+    n = 0
+    for r in rows:
+        key = tuple(r[k] for k in LABELS)
+        t = totals.setdefault(
+            key, {"n": 0, **dict.fromkeys(SUMS, 0), "billed": 0, "buckets": [0] * len(UPSTREAM_BUCKETS_S)}
+        )
+        t["n"] += r["n"]
+        n += r["n"]
+        for k in SUMS:
+            t[k] += r[f"sum_{k}"] or 0
+        t["billed"] += (r["billed_discounted"] or 0) + (r["billed_rest"] or 0)
+        for i in range(len(UPSTREAM_BUCKETS_S)):
+            t["buckets"][i] += r[f"le_{i}"]
+    return n
+
+
+def _missing(ids: list[int], after: int, upto: int, now: float) -> list[list]:
+    """Ranges of ids in (after, upto] absent from the sorted `ids`."""
+    gaps, expected = [], after + 1
+    for i in ids:
+        if i > expected:
+            gaps.append([expected, i - 1, now])
+        expected = i + 1
+    if expected <= upto:
+        gaps.append([expected, upto, now])
+    return gaps
+
+
+def _fill_gaps(events, gaps: list[list], totals: dict, now: float) -> tuple[list[list], int]:
+    """Count the events that appeared in earlier gaps; return the gaps still open (and unexpired)."""
+    live = [g for g in gaps if now - g[2] < GAP_TTL_S]
+    if len(live) < len(gaps):
+        log.info(
+            "usage rollup: %d id ranges never committed (rolled back); no longer looked for", len(gaps) - len(live)
+        )
+    found_ids: list[int] = []
+    counted = 0
+    for start in range(0, len(live), GAP_CHUNK):
+        chunk = live[start : start + GAP_CHUNK]
+        where = Q()
+        for lo, hi, _ in chunk:
+            where |= Q(pk__gte=lo, pk__lte=hi)
+        found_ids += events.filter(where).values_list("pk", flat=True)
+        if found_ids:
+            counted += _add(totals, _grouped(events.filter(where)))
+    if not found_ids:
+        return live, 0
+    found = sorted(found_ids)
+    still: list[list] = []
+    for lo, hi, seen in live:
+        inside = [i for i in found if lo <= i <= hi]
+        still += _missing(inside, lo - 1, hi, seen)  # a split gap keeps the time it was first missed
+    return still, counted
+
+
+def advance(max_rows: int = MAX_ROWS_PER_RUN, *, wait: bool = False) -> int | None:
+    """Add the usage events written since the last run to the rollup. Returns how many were counted, or
+    None when another runner holds the cursor (`wait=False`)."""
+    from usage.models import UsageEvent
+
+    now = time.time()
+    with transaction.atomic():
+        UsageRollupCursor.objects.get_or_create(pk=1)
+        try:
+            cursor = UsageRollupCursor.objects.select_for_update(nowait=not wait).get(pk=1)
+        except DatabaseError:
+            return None
+        events = UsageEvent.objects.all()
+        totals: dict = {}
+        gaps, counted = _fill_gaps(events, list(cursor.gaps), totals, now)
+        newest = events.filter(pk__gt=cursor.last_id).aggregate(m=Max("pk"))["m"]
+        last = cursor.last_id
+        if newest is not None:
+            upto = min(newest, last + max_rows)
+            fresh = events.filter(pk__gt=last, pk__lte=upto)
+            ids = list(fresh.order_by("pk").values_list("pk", flat=True))
+            gaps += _missing(ids, last, upto, now)
+            if ids:
+                counted += _add(totals, _grouped(fresh))
+            last = upto
+        _store(totals)
+        UsageRollupCursor.objects.filter(pk=1).update(last_id=last, gaps=gaps)
+    return counted
+
+
+def _store(totals: dict) -> None:
+    if not totals:
+        return
+    # The cursor's lock makes this run the only writer: read the (few hundred) rows and write them back.
+    existing = {(r.model, r.source, r.status, r.host, r.executed_by): r for r in UsageRollup.objects.all()}
+    created, updated = [], []
+    for key, t in totals.items():
+        row = existing.get(key)
+        if row is None:
+            row = UsageRollup(model=key[0], source=key[1], status=key[2], host=key[3], executed_by=key[4])
+            row.buckets = [0] * len(UPSTREAM_BUCKETS_S)
+            created.append(row)
+        else:
+            updated.append(row)
+        row.n += t["n"]
+        for k in SUMS:
+            setattr(row, k, getattr(row, k) + t[k])
+        row.billed_nano_usd += t["billed"]
+        row.buckets = [a + b for a, b in zip(row.buckets or [0] * len(UPSTREAM_BUCKETS_S), t["buckets"], strict=True)]
+    UsageRollup.objects.bulk_create(created)
+    if updated:
+        UsageRollup.objects.bulk_update(updated, ["n", *SUMS, "billed_nano_usd", "buckets"])
+
+
+def catch_up() -> int:
+    """Run until the rollup has passed every id written so far (the beat job; also after a bulk import)."""
+    from usage.models import UsageEvent
+
+    total = 0
+    while True:
+        total += advance(wait=True) or 0
+        newest = UsageEvent.objects.aggregate(m=Max("pk"))["m"] or 0
+        if UsageRollupCursor.objects.get(pk=1).last_id >= newest:
+            return total
+
+
+def rows():
+    """The rollup rows, for the scrape."""
+    return UsageRollup.objects.all()
