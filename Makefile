@@ -1,5 +1,5 @@
 # The two commands of the README. Each does its own set-up.
-.PHONY: run test test-fast lint bench bench-quick manage flower docs
+.PHONY: run test test-fast lint bench bench-quick bench-scale manage flower docs
 
 run:
 	@bash scripts/run.sh
@@ -27,6 +27,10 @@ flower:
 
 bench-quick:
 	@BENCH_QUICK=1 bash scripts/bench.sh
+
+# The claim, finish, sweeper, /metrics and admin at 2,000 and 1,000,000 rows (bench/scale.py).
+bench-scale:
+	@bash scripts/bench_scale.sh
 
 # The docs site (MkDocs + Material), strict: any warning fails. Output in site/ (git-ignored).
 docs:

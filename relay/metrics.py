@@ -35,10 +35,9 @@ Only GET and HEAD are answered; any other method is a 405 (never the CSRF check'
 
 import hmac
 import logging
-from datetime import timedelta
 
 from django.conf import settings
-from django.db.models import Count, DurationField, ExpressionWrapper, F, Q, Sum
+from django.db.models import Count, Sum
 from django.http import HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 from prometheus_client import CollectorRegistry, generate_latest
@@ -49,11 +48,10 @@ from batches import dispatch
 from batches.queues import QUEUES
 from relay import metrics_rollup
 from relay.errors import RelayError
-from relay.metrics_rollup import UPSTREAM_BUCKETS_S
+from relay.metrics_rollup import RUN_BUCKETS_S, UPSTREAM_BUCKETS_S
 
 log = logging.getLogger(__name__)
 
-RUN_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 # New usage events a scrape counts itself; the beat job (relay.tasks.roll_up_metrics) catches up the rest.
 SCRAPE_MAX_ROWS = 50_000
 BREAKER_STATES = ("closed", "half_open", "open")
@@ -73,11 +71,37 @@ def _histogram(name, doc, labels, rows, buckets):
     return fam
 
 
+# Items in a terminal state are counted at most once per this many seconds (cached in Redis): at a million
+# rows that count is a scan of the items table (~0.4 s), while the states a backlog alert reads (available,
+# running, delegated) are counted exactly at every scrape from their partial indexes.
+TERMINAL_COUNT_TTL_S = 60
+_TERMINAL_KEY = "relay:metrics:terminal_items"
+
+
+def _terminal_counts() -> dict[str, int]:
+    from batches.models import Item, ItemState
+    from relay.redis import get_redis
+
+    client = get_redis()
+    cached = client.hgetall(_TERMINAL_KEY)
+    if cached:
+        return {k.decode(): int(v) for k, v in cached.items() if k != b"_"}
+    open_states = (ItemState.AVAILABLE, ItemState.RUNNING, ItemState.DELEGATED)
+    counts = dict(Item.objects.exclude(state__in=open_states).values_list("state").annotate(n=Count("pk")).order_by())
+    pipe = client.pipeline()
+    pipe.hset(_TERMINAL_KEY, mapping={"_": 1, **counts})
+    pipe.expire(_TERMINAL_KEY, TERMINAL_COUNT_TTL_S)
+    pipe.execute()
+    return counts
+
+
 def batch_items():
     from batches.models import Batch, Item, ItemState
 
     items = GaugeMetricFamily("relay_batch_items", "Batch items by state.", labels=["state"])
-    counts = dict(Item.objects.values_list("state").annotate(n=Count("pk")).order_by())
+    counts = _terminal_counts()
+    for state in (ItemState.AVAILABLE, ItemState.RUNNING, ItemState.DELEGATED):
+        counts[state] = Item.objects.filter(state=state).count()  # each from its partial index
     for state in ItemState.values:
         items.add_metric([state], counts.get(state, 0))
     yield items
@@ -103,30 +127,15 @@ def queue_depth():
     yield fam
 
 
-def item_run_seconds():
-    from batches.models import Item
-
-    run = ExpressionWrapper(F("finished_at") - F("started_at"), output_field=DurationField())
-    aggregates = {f"le_{i}": Count("pk", filter=Q(run__lte=timedelta(seconds=b))) for i, b in enumerate(RUN_BUCKETS_S)}
-    rows = (
-        Item.objects.filter(finished_at__isnull=False, started_at__isnull=False)
-        .annotate(run=run)
-        .values("state")
-        .annotate(n=Count("pk"), total=Sum("run"), **aggregates)
-        .order_by()
-    )
+def item_run_seconds(runs=None):
+    runs = runs if runs is not None else list(metrics_rollup.run_rows())
     yield _histogram(
         "relay_item_run_seconds",
         "Run time of finished batch items (claim to finish), by final state.",
         ["state"],
         [
-            (
-                [r["state"]],
-                {b: r[f"le_{i}"] for i, b in enumerate(RUN_BUCKETS_S)},
-                r["n"],
-                r["total"].total_seconds() if r["total"] else 0.0,
-            )
-            for r in rows
+            ([r.state], dict(zip(RUN_BUCKETS_S, r.buckets, strict=True)), r.n, r.total_ms / 1000)
+            for r in sorted(runs, key=lambda r: r.state)
         ],
         RUN_BUCKETS_S,
     )
@@ -217,6 +226,7 @@ def usage_rollup():
     rollup = _rollup()
     yield from upstream_seconds(rollup)
     yield from usage_counters(rollup)
+    yield from item_run_seconds()
 
 
 def breaker_snapshots() -> list[tuple[str, str, dict]]:
@@ -379,7 +389,6 @@ SOURCES = (
     batch_items,
     provider_jobs,
     queue_depth,
-    item_run_seconds,
     usage_rollup,
     breakers,
     ratelimit_denials,

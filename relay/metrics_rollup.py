@@ -13,6 +13,10 @@ GAP_TTL_S after it was first missed: longer than any transaction that writes usa
 RELAY_DB_IDLE_IN_TRANSACTION_TIMEOUT_MS). A gap that never fills is an id a rolled-back transaction
 took.
 
+The same run counts finished batch items' run time (claim to finish) per final state: every item that
+ran has exactly one usage event, written by the transaction that finishes it, so when the event is
+visible the item is final; its id is the event's request_id.
+
 One runner at a time: the cursor row is locked for the run (`SELECT … FOR UPDATE NOWAIT`; a second
 runner skips rather than waits, so a scrape never queues behind the control worker's run). Each run
 reads at most MAX_ROWS_PER_RUN new ids, so the first run over a large existing table is done in
@@ -27,12 +31,15 @@ import time
 from django.db import DatabaseError, transaction
 from django.db.models import Case, CharField, Count, F, Max, Q, Sum, Value, When
 
-from relay.models import LLMModel, UsageRollup, UsageRollupCursor
+from relay.models import ItemRunRollup, LLMModel, UsageRollup, UsageRollupCursor
 
 log = logging.getLogger(__name__)
 
 UNKNOWN_MODEL = "unknown"
 UPSTREAM_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+RUN_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+# Item ids looked up per query when counting batch items' run times.
+ITEM_CHUNK = 5_000
 GAP_TTL_S = 600
 MAX_ROWS_PER_RUN = 200_000
 # Gap ranges looked up per query: an OR of this many BETWEENs stays one cheap index scan.
@@ -88,6 +95,42 @@ def _add(totals: dict, rows) -> int:
     return n
 
 
+def _add_runs(runs: dict, events) -> None:
+    """Run times of the batch items whose usage events are `events` (an item's event is written by the
+    transaction that finishes it, so the item is final when its event is visible)."""
+    from django.db.models import DurationField, ExpressionWrapper
+
+    from batches.models import Item
+
+    ids = list(events.filter(source="batch").values_list("request_id", flat=True))
+    run = ExpressionWrapper(F("finished_at") - F("started_at"), output_field=DurationField())
+    for start in range(0, len(ids), ITEM_CHUNK):
+        rows = (
+            Item.objects.filter(pk__in=ids[start : start + ITEM_CHUNK], started_at__isnull=False)
+            .exclude(finished_at__isnull=True)
+            .annotate(run=run)
+            .values("state")
+            .annotate(
+                n=Count("pk"),
+                total=Sum("run"),
+                **{f"le_{i}": Count("pk", filter=Q(run__lte=_seconds(b))) for i, b in enumerate(RUN_BUCKETS_S)},
+            )
+            .order_by()
+        )
+        for r in rows:
+            t = runs.setdefault(r["state"], {"n": 0, "total_ms": 0, "buckets": [0] * len(RUN_BUCKETS_S)})
+            t["n"] += r["n"]
+            t["total_ms"] += round(r["total"].total_seconds() * 1000) if r["total"] else 0
+            for i in range(len(RUN_BUCKETS_S)):
+                t["buckets"][i] += r[f"le_{i}"]
+
+
+def _seconds(s: float):
+    from datetime import timedelta
+
+    return timedelta(seconds=s)
+
+
 def _missing(ids: list[int], after: int, upto: int, now: float) -> list[list]:
     """Ranges of ids in (after, upto] absent from the sorted `ids`."""
     gaps, expected = [], after + 1
@@ -100,7 +143,7 @@ def _missing(ids: list[int], after: int, upto: int, now: float) -> list[list]:
     return gaps
 
 
-def _fill_gaps(events, gaps: list[list], totals: dict, now: float) -> tuple[list[list], int]:
+def _fill_gaps(events, gaps: list[list], totals: dict, runs: dict, now: float) -> tuple[list[list], int]:
     """Count the events that appeared in earlier gaps; return the gaps still open (and unexpired)."""
     live = [g for g in gaps if now - g[2] < GAP_TTL_S]
     if len(live) < len(gaps):
@@ -114,9 +157,11 @@ def _fill_gaps(events, gaps: list[list], totals: dict, now: float) -> tuple[list
         where = Q()
         for lo, hi, _ in chunk:
             where |= Q(pk__gte=lo, pk__lte=hi)
-        found_ids += events.filter(where).values_list("pk", flat=True)
-        if found_ids:
+        ids = list(events.filter(where).values_list("pk", flat=True))
+        if ids:
+            found_ids += ids
             counted += _add(totals, _grouped(events.filter(where)))
+            _add_runs(runs, events.filter(where))
     if not found_ids:
         return live, 0
     found = sorted(found_ids)
@@ -141,7 +186,8 @@ def advance(max_rows: int = MAX_ROWS_PER_RUN, *, wait: bool = False) -> int | No
             return None
         events = UsageEvent.objects.all()
         totals: dict = {}
-        gaps, counted = _fill_gaps(events, list(cursor.gaps), totals, now)
+        runs: dict = {}
+        gaps, counted = _fill_gaps(events, list(cursor.gaps), totals, runs, now)
         newest = events.filter(pk__gt=cursor.last_id).aggregate(m=Max("pk"))["m"]
         last = cursor.last_id
         if newest is not None:
@@ -151,8 +197,10 @@ def advance(max_rows: int = MAX_ROWS_PER_RUN, *, wait: bool = False) -> int | No
             gaps += _missing(ids, last, upto, now)
             if ids:
                 counted += _add(totals, _grouped(fresh))
+                _add_runs(runs, fresh)
             last = upto
         _store(totals)
+        _store_runs(runs)
         UsageRollupCursor.objects.filter(pk=1).update(last_id=last, gaps=gaps)
     return counted
 
@@ -181,6 +229,15 @@ def _store(totals: dict) -> None:
         UsageRollup.objects.bulk_update(updated, ["n", *SUMS, "billed_nano_usd", "buckets"])
 
 
+def _store_runs(runs: dict) -> None:
+    for state, t in runs.items():
+        row, _ = ItemRunRollup.objects.get_or_create(state=state, defaults={"buckets": [0] * len(RUN_BUCKETS_S)})
+        row.n += t["n"]
+        row.total_ms += t["total_ms"]
+        row.buckets = [a + b for a, b in zip(row.buckets or [0] * len(RUN_BUCKETS_S), t["buckets"], strict=True)]
+        row.save(update_fields=["n", "total_ms", "buckets"])
+
+
 def catch_up() -> int:
     """Run until the rollup has passed every id written so far (the beat job; also after a bulk import)."""
     from usage.models import UsageEvent
@@ -194,5 +251,10 @@ def catch_up() -> int:
 
 
 def rows():
-    """The rollup rows, for the scrape."""
+    """The usage rollup rows, for the scrape."""
     return UsageRollup.objects.all()
+
+
+def run_rows():
+    """The item run-time rollup rows, for the scrape."""
+    return ItemRunRollup.objects.all()

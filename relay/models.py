@@ -308,6 +308,20 @@ class UsageRollup(models.Model):
         return f"{self.model}/{self.source}/{self.status}/{self.host or '-'}/{self.executed_by}: {self.n}"
 
 
+class ItemRunRollup(models.Model):
+    """Finished batch items' run time (claim to finish) per final state, for /metrics: counted with the
+    item's usage event, which its finish writes in the same transaction (relay/metrics_rollup.py)."""
+
+    state = models.CharField(max_length=16, unique=True)
+    n = models.BigIntegerField(default=0)
+    total_ms = models.BigIntegerField(default=0)
+    # Items at or under each bound of relay.metrics_rollup.RUN_BUCKETS_S.
+    buckets = models.JSONField(default=list)
+
+    def __str__(self):
+        return f"{self.state}: {self.n}"
+
+
 class UsageRollupCursor(models.Model):
     """How far the rollup has read the usage table: every id up to `last_id` is counted except the
     `gaps` ([first id, last id, epoch s first seen] ranges of ids not committed when they were passed)."""
