@@ -4,13 +4,16 @@ OpenAI-surface batches show their own fields too: the batch_… id, endpoint,
 input/output/error files (linked), metadata, validation errors, and each
 item's custom_id; Anthropic-surface batches their msgbatch_… id, expiry and
 cancel times. The `surface` column and filter say where each batch came from.
-Files of the OpenAI surface have their own read-only pages.
+Files of the OpenAI surface have their own read-only pages. A batch made by retry_failed links to
+the batch it re-runs, and that one to its retries; the "retry failed records" action makes one
+through the same service as the API (batches/surfaces/retry.py).
 """
 
 import contextlib
 import json
+import logging
 
-from django.contrib import admin
+from django.contrib import admin, messages
 from django.db.models import Count, Q
 from django.urls import reverse
 from django.utils.html import format_html, format_html_join
@@ -19,9 +22,13 @@ from batches import storage
 from batches.lifecycle import stop
 from batches.models import Attempt, Batch, File, Item, ItemState, Surface
 from batches.provider.admin import ProviderJobInline  # registers the provider jobs' admin too
-from batches.surfaces import registry
+from batches.surfaces import registry, retry
 from batches.surfaces.openai import read as openai_read
+from relay import auth
 from relay.admin_base import ViewOnlyAdmin
+from relay.errors import RelayError
+
+log = logging.getLogger(__name__)
 
 _PREVIEW_BYTES = 4096
 
@@ -165,9 +172,11 @@ class BatchAdmin(ViewOnlyAdmin):
         "metadata_view",
         "errors_view",
         "api_object",
+        "retry_of_link",
+        "retried_by_links",
     ]
     inlines = [ItemInline, ProviderJobInline]
-    actions = ["cancel_batches"]
+    actions = ["cancel_batches", "retry_failed_records"]
 
     def get_fieldsets(self, request, obj=None):
         common = (
@@ -194,7 +203,11 @@ class BatchAdmin(ViewOnlyAdmin):
             "principal",
         )
         retry = ("max_attempts", "retry_transient", "wait_for_capacity", "not_before")
-        sets = [(None, {"fields": common}), ("Waiting and retrying", {"fields": retry})]
+        sets = [
+            (None, {"fields": common}),
+            ("Waiting and retrying", {"fields": retry}),
+            ("Retries of failed records", {"fields": ("retry_of_link", "retried_by_links")}),
+        ]
         if obj is not None and obj.surface == Surface.OPENAI:
             sets.append(("OpenAI-compatible batch", {"fields": self._openai_fields}))
         if obj is not None and obj.surface == Surface.ANTHROPIC:
@@ -267,6 +280,57 @@ class BatchAdmin(ViewOnlyAdmin):
     def items_link(self, obj):
         url = reverse("admin:batches_item_changelist")
         return format_html('<a href="{}?batch__id__exact={}">browse all {} items</a>', url, obj.pk, obj.total_items)
+
+    @admin.display(description="retry of")
+    def retry_of_link(self, obj):
+        if obj.retry_of_id is None:
+            return "—"
+        return format_html(
+            '<a href="{}">{}</a>', reverse("admin:batches_batch_change", args=[obj.retry_of_id]), obj.retry_of_public_id
+        )
+
+    @admin.display(description="retried by")
+    def retried_by_links(self, obj):
+        children = list(Batch.objects.filter(retry_of_id=obj.pk).order_by("id").only("id", "surface"))
+        if not children:
+            return "—"
+        return format_html_join(
+            ", ",
+            '<a href="{}">{}</a>',
+            ((reverse("admin:batches_batch_change", args=[c.pk]), c.public_id) for c in children),
+        )
+
+    @admin.action(description="Retry the failed and expired records (a new batch for each)")
+    def retry_failed_records(self, request, queryset):
+        """The API's retry_failed on behalf of each batch's owner: its own credential, which must still work."""
+        for parent in queryset:
+            principal = parent.submitter()
+            try:
+                auth.recheck(principal)
+            except RelayError as exc:
+                self.message_user(
+                    request,
+                    f"Batch {parent.public_id}: not retried: its credential no longer works ({exc.message}); "
+                    "its owner can retry it through the API with a valid one.",
+                    level=messages.ERROR,
+                )
+                continue
+            try:
+                retried = retry.retry_failed(parent, principal)
+            except RelayError as exc:
+                self.message_user(
+                    request, f"Batch {parent.public_id}: not retried: {exc.message}", level=messages.ERROR
+                )
+                continue
+            child = retried.batch
+            log.info("admin %s retried the failed records of %s as %s", request.user, parent.pk, child.pk)
+            link = format_html(
+                '<a href="{}">{}</a>', reverse("admin:batches_batch_change", args=[child.pk]), child.public_id
+            )
+            self.message_user(
+                request,
+                format_html("Batch {}: retried as {} ({} records).", parent.public_id, link, len(retried.parent_idx)),
+            )
 
     @admin.action(description="Cancel the selected batches")
     def cancel_batches(self, request, queryset):

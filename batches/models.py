@@ -193,6 +193,13 @@ class Batch(models.Model):
     # Claims skip the whole batch until then: its policy or keys have no capacity before it.
     not_before = models.DateTimeField(null=True, blank=True)
 
+    # Re-run what failed (batches/surfaces/retry.py): the batch whose failed and expired records this one
+    # re-runs, of the same surface. SET_NULL: deleting a parent (retention, Anthropic's DELETE) keeps its
+    # retries, which are batches of their own.
+    retry_of = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="retried_by", db_index=True
+    )
+
     class Meta:
         verbose_name_plural = "batches"
         indexes = [
@@ -256,6 +263,7 @@ class Batch(models.Model):
             ),
             models.CheckConstraint(condition=Q(discount_percent__lte=100), name="batch_discount_percent_range"),
             models.CheckConstraint(condition=Q(max_attempts__gte=1), name="batch_max_attempts_positive"),
+            models.CheckConstraint(condition=~Q(retry_of=models.F("id")), name="batch_not_its_own_retry"),
             # Idempotent create: one batch per (owner, key).
             models.UniqueConstraint(
                 fields=["owner_hash", "idempotency_key"],
@@ -276,6 +284,11 @@ class Batch(models.Model):
         if self.surface == Surface.ANTHROPIC:
             return f"msgbatch_{self.id.hex}"
         return str(self.id)
+
+    @property
+    def retry_of_public_id(self) -> str | None:
+        """The parent's id in its surface's form (a retry is always of its parent's surface)."""
+        return Batch(id=self.retry_of_id, surface=self.surface).public_id if self.retry_of_id else None
 
     @staticmethod
     def attribution(principal) -> dict:

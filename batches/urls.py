@@ -19,6 +19,11 @@ for _prefix in ("", "openai/"):
         path(
             f"{_prefix}v1/batches/<str:batch_id>/cancel", views.BatchCancelView.as_view(), name=f"{_name}batch-cancel"
         ),
+        path(
+            f"{_prefix}v1/batches/<str:batch_id>/retry_failed",
+            views.BatchRetryFailedView.as_view(),
+            name=f"{_name}batch-retry-failed",
+        ),
         path(f"{_prefix}v1/files", views.FileListView.as_view(), name=f"{_name}files"),
         path(f"{_prefix}v1/files/<str:file_id>", views.FileDetailView.as_view(), name=f"{_name}file-detail"),
         path(f"{_prefix}v1/files/<str:file_id>/content", views.FileContentView.as_view(), name=f"{_name}file-content"),
@@ -42,6 +47,11 @@ for _prefix in ("", "anthropic/"):
             f"{_prefix}v1/messages/batches/<str:batch_id>/cancel",
             anthropic_views.MessageBatchCancelView.as_view(),
             name=f"{_name}message-batch-cancel",
+        ),
+        path(
+            f"{_prefix}v1/messages/batches/<str:batch_id>/retry_failed",
+            anthropic_views.MessageBatchRetryFailedView.as_view(),
+            name=f"{_name}message-batch-retry-failed",
         ),
         path(
             f"{_prefix}v1/messages/batches/<str:batch_id>/results",

@@ -142,6 +142,29 @@ OPERATIONS = {
             **OPENAI_ERRORS,
         },
     },
+    ("/v1/batches/{batch_id}/retry_failed", "post"): {
+        "summary": "Re-run a finished batch's failed and expired records as a new batch of its surface",
+        "description": "Native (UUID id): 202 with the new batch's id and `parent_idx`; OpenAI (batch_… id): the new "
+        "batch object. Both carry `retry_of`. Errors in the surface's envelope (docs/api: 'Re-run what failed').",
+        "tags": ["batches"],
+        "responses": {
+            "200": _resp("the new OpenAI-compatible batch, status validating", "Batch"),
+            "202": _resp("the new relay-native batch, accepted", "NativeBatchRetried"),
+            **{
+                status: _resp(d, {"anyOf": [ref("OpenAIError"), ref("RelayError")]})
+                for status, d in (
+                    ("400", "not finished (OpenAI), nothing to retry, or another project's credential"),
+                    ("401", "missing or invalid credential"),
+                    ("404", "not found, not yours, or no batch access"),
+                )
+            },
+            "409": _resp("the native batch has not finished", "RelayError"),
+            "410": _resp(
+                "the batch's stored request bodies are gone", {"anyOf": [ref("OpenAIError"), ref("RelayError")]}
+            ),
+            "503": _resp("the queue broker is unreachable; nothing stored", "OpenAIError"),
+        },
+    },
     ("/v1/files", "post"): {
         "summary": "Upload a batch input file (JSONL), streamed",
         "tags": ["files"],
@@ -220,6 +243,15 @@ OPERATIONS = {
                 "tags": ["anthropic batches"],
                 "responses": {"200": _resp("the message batch, canceling", "MessageBatch"), **ANTHROPIC_ERRORS},
             },
+            ("/v1/messages/batches/{batch_id}/retry_failed", "post"): {
+                "summary": "Re-run an ended Message Batch's errored and expired requests as a new Message Batch",
+                "tags": ["anthropic batches"],
+                "responses": {
+                    "200": _resp("the new message batch, with retry_of", "MessageBatch"),
+                    **ANTHROPIC_ERRORS,
+                    "410": _resp("the batch's stored request bodies are gone", "AnthropicError"),
+                },
+            },
             ("/v1/messages/batches/{batch_id}/results", "get"): {
                 "summary": "Results of an ended Message Batch, streamed as JSONL (one line per request)",
                 "tags": ["anthropic batches"],
@@ -240,6 +272,12 @@ OPERATIONS = {
         "tags": ["usage"],
         "security": SESSION_OR_TOKEN,
         "responses": {"200": _resp("events", "UsageEvents"), **RELAY_ERRORS},
+    },
+    ("/api/usage/budgets", "get"): {
+        "summary": "Spend budgets the caller may see, with the current period's spent, reserved and left",
+        "tags": ["usage"],
+        "security": SESSION_OR_TOKEN,
+        "responses": {"200": _resp("budgets", "UsageBudgets"), **RELAY_ERRORS},
     },
     ("/api/usage/summary", "get"): {
         "summary": "Usage grouped by a dimension",

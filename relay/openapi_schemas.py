@@ -29,6 +29,17 @@ def openai_list(item: str) -> dict:
     }
 
 
+# Re-run what failed (docs/api/native.md, openai.md, anthropic.md): on every batch object of every
+# surface, ids in the surface's form.
+LINEAGE = {
+    "retry_of": nullable({"type": "string", "description": "the batch whose failed records this one re-runs"}),
+    "retried_by": {
+        "type": "array",
+        "items": STR,
+        "description": "the batches made by retry_failed from this one, oldest first",
+    },
+}
+
 SCHEMAS = {
     # --- errors ---
     "RelayError": {
@@ -120,6 +131,21 @@ SCHEMAS = {
         "required": ["id", "status", "total_items"],
         "properties": {"id": {"type": "string", "format": "uuid"}, "status": {"const": "queued"}, "total_items": INT},
     },
+    "NativeBatchRetried": {
+        "type": "object",
+        "required": ["id", "status", "total_items", "retry_of", "parent_idx"],
+        "properties": {
+            "id": {"type": "string", "format": "uuid"},
+            "status": {"const": "queued"},
+            "total_items": INT,
+            "retry_of": {"type": "string", "format": "uuid"},
+            "parent_idx": {
+                "type": "array",
+                "items": INT,
+                "description": "item i of the new batch re-runs item parent_idx[i] of the parent",
+            },
+        },
+    },
     "NativeBatchStatus": {
         "type": "object",
         "required": ["ID", "Status", "TotalItems", "CreatedAt", "counts", "items"],
@@ -139,6 +165,7 @@ SCHEMAS = {
             "CredentialKind": STR,
             "CredentialID": STR,
             "counts": {"type": "object", "additionalProperties": INT},
+            **LINEAGE,
             "items": {
                 "type": "array",
                 "items": {"type": "object", "required": ["idx", "state"], "properties": {"idx": INT, "state": STR}},
@@ -296,6 +323,7 @@ SCHEMAS = {
                 "properties": {"total": INT, "completed": INT, "failed": INT},
             },
             "metadata": nullable({"type": "object", "additionalProperties": STR}),
+            **LINEAGE,
             "usage": nullable(
                 {
                     "type": "object",
@@ -359,6 +387,7 @@ SCHEMAS = {
             "cancel_initiated_at": nullable({"type": "string", "format": "date-time"}),
             "archived_at": {"type": "null"},
             "results_url": nullable(STR),
+            **LINEAGE,
         },
     },
     "MessageBatchList": {
@@ -399,6 +428,32 @@ SCHEMAS = {
         "type": "object",
         "required": ["events"],
         "properties": {"events": {"type": "array", "items": ref("UsageEvent")}, "next_cursor": STR},
+    },
+    "UsageBudgets": {
+        "type": "object",
+        "required": ["budgets"],
+        "properties": {
+            "budgets": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "required": ["name", "scope", "period", "usd", "spent_usd", "reserved_usd", "left_usd"],
+                    "properties": {
+                        "name": STR,
+                        "scope": {"type": "object", "properties": {"kind": STR, "name": STR}},
+                        "period": {"enum": ["day", "month"]},
+                        "enabled": BOOL,
+                        **{
+                            k: {"type": "string", "description": "USD, a decimal string"}
+                            for k in ("usd", "spent_usd", "reserved_usd", "left_usd")
+                        },
+                        "period_start": nullable(STR),
+                        "period_ends_at": nullable(STR),
+                    },
+                    "additionalProperties": True,
+                },
+            }
+        },
     },
     "UsageSummary": {
         "type": "object",

@@ -13,6 +13,7 @@ from rest_framework.views import APIView
 from batches import errors, intake
 from batches.api.views import _AnyAccept
 from batches.lifecycle import states
+from batches.surfaces import retry
 from batches.surfaces.anthropic import create as anthropic_create
 from batches.surfaces.anthropic import read as anthropic_read
 from relay.api.authentication import RelayCredentialAuthentication
@@ -66,6 +67,16 @@ class MessageBatchDetailView(_AnthropicView):
 class MessageBatchCancelView(_AnthropicView):
     def post(self, request, batch_id):
         batch = anthropic_read.cancel(anthropic_read.batch_for_owner(batch_id, request.user))
+        return JsonResponse(anthropic_read.serialize(batch, self.base_url(request)))
+
+
+class MessageBatchRetryFailedView(_AnthropicView):
+    """A new message batch re-running the batch's errored and expired requests
+    (docs/api/anthropic.md, "Re-run what failed")."""
+
+    def post(self, request, batch_id):
+        parent = anthropic_read.batch_for_owner(batch_id, request.user)
+        batch = anthropic_read.as_created(retry.retry_failed(parent, request.user).batch)
         return JsonResponse(anthropic_read.serialize(batch, self.base_url(request)))
 
 

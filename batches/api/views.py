@@ -20,6 +20,7 @@ from batches import intake, storage
 from batches.errors import OpenAIError, invalid
 from batches.lifecycle import stop
 from batches.models import Batch, Surface
+from batches.surfaces import retry
 from batches.surfaces.native import read as native_read
 from batches.surfaces.native import submit
 from batches.surfaces.openai import create as openai_create
@@ -142,6 +143,30 @@ class BatchCancelView(_SurfaceView):
         if not stop.cancel(batch):
             raise invalid(f"Cannot cancel a batch with status '{batch.status}'.", code="batch_not_cancellable")
         return JsonResponse(serialize.batch(batch))
+
+
+class BatchRetryFailedView(_SurfaceView):
+    """A new batch of the same surface re-running the batch's failed and expired records
+    (docs/api/native.md and openai.md, "Re-run what failed")."""
+
+    def post(self, request, batch_id):
+        if not self.openai_errors:
+            parent = native_read.batch_for_owner(batch_id, request.user)
+            retried = retry.retry_failed(parent, request.user)
+            batch = retried.batch
+            return JsonResponse(
+                {
+                    "id": str(batch.id),
+                    "status": "queued",
+                    "total_items": batch.total_items,
+                    "retry_of": batch.retry_of_public_id,
+                    # Item i of the new batch re-runs item parent_idx[i] of the parent.
+                    "parent_idx": retried.parent_idx,
+                },
+                status=202,
+            )
+        parent = openai_read.openai_batch_for_owner(batch_id, request.user)
+        return JsonResponse(serialize.batch(retry.retry_failed(parent, request.user).batch))
 
 
 # --- files ----------------------------------------------------------------------------------------

@@ -1,19 +1,24 @@
 """What the three batch surfaces share at their edges, written once: the owner's batches of a
 surface, the `limit` of a list, the final items of a batch counted per kind, its items read a page
-at a time for results, a failure's message without the relay's prefixes, and the waiting and
-retrying that the OpenAI and Anthropic surfaces apply to every batch."""
+at a time for results, a failure's message without the relay's prefixes, the waiting and
+retrying that the OpenAI and Anthropic surfaces apply to every batch, and a batch's retries
+(`retry_of` / `retried_by`, batches/surfaces/retry.py)."""
 
 import json
+import logging
+import uuid
 from collections.abc import Callable, Iterator
 
 from django.conf import settings
-from django.db.models import Count, IntegerField, OuterRef, Q, Subquery, Sum
+from django.db.models import Count, Field, IntegerField, OuterRef, Q, Subquery, Sum
 
 from batches.models import Batch, Item
 from batches.provider.models import JobStatus, ProviderJob
 from relay.auth import Principal
 from relay.errors import RelayError, quoted
 from relay.http import ascii_int
+
+log = logging.getLogger(__name__)
 
 # Items of a batch read per query when its results are written or streamed.
 RESULT_PAGE = 1000
@@ -111,3 +116,37 @@ def waiting_and_retrying() -> dict:
     """A batch of the OpenAI or Anthropic surface waits out a busy provider and retries what is
     transient (docs/decisions/0007-busy-provider-waits.md); the native surface opts in per batch."""
     return {"max_attempts": settings.RELAY_BATCH_MAX_ATTEMPTS, "retry_transient": True, "wait_for_capacity": True}
+
+
+# --- retries (batches/surfaces/retry.py) -----------------------------------------------------------
+
+
+class _ChildIds(Subquery):
+    """The ids of the batches made from each row by retry_failed, oldest first, as one column of the
+    row's own statement: an array on PostgreSQL, a JSON array on SQLite (embedded mode)."""
+
+    template = "ARRAY(%(subquery)s)"
+
+    def __init__(self):
+        children = Batch.objects.filter(retry_of=OuterRef("pk")).order_by("id").values("id")
+        super().__init__(children, output_field=Field())  # no converter: the value is read in retried_by()
+
+    def as_sqlite(self, compiler, connection, **extra):
+        return self.as_sql(compiler, connection, template="(SELECT json_group_array(id) FROM (%(subquery)s))")
+
+
+def with_retried_by(qs):
+    """Annotate batches with `retried_by_ids`, in the same statement (a detail GET stays one query)."""
+    return qs.annotate(retried_by_ids=_ChildIds())
+
+
+def retried_by(batch: Batch) -> list[str]:
+    """The public ids of the batches that re-ran this one's failed records, oldest first."""
+    if hasattr(batch, "retried_by_ids"):
+        raw = batch.retried_by_ids
+        ids = json.loads(raw) if isinstance(raw, str) else (raw or [])
+    else:
+        ids = list(Batch.objects.filter(retry_of_id=batch.pk).order_by("id").values_list("id", flat=True))
+    return [
+        Batch(id=pk if isinstance(pk, uuid.UUID) else uuid.UUID(str(pk)), surface=batch.surface).public_id for pk in ids
+    ]

@@ -48,13 +48,14 @@ def check_access(principal: Principal) -> None:
 # --- create -------------------------------------------------------------------------------------
 
 
-def create(principal: Principal, submission: ingest.Submission) -> Batch:
+def create(principal: Principal, submission: ingest.Submission, *, retry_of: Batch | None = None) -> Batch:
     """POST /v1/messages/batches → an `in_progress` batch whose requests are already items.
 
     Every request is checked first (custom_id, params, duplicates); a bad one is
     a 400 and nothing is stored. The batch waits for capacity and retries
     transient failures like an OpenAI-surface batch, and is billed at the batch
-    discount (RELAY_BATCH_DISCOUNT_PERCENT, fixed on the batch).
+    discount (RELAY_BATCH_DISCOUNT_PERCENT, fixed on the batch). `retry_of`: the
+    batch whose failed requests this one re-runs (batches/surfaces/retry.py).
     """
     check_access(principal)
     top = submission.top
@@ -108,6 +109,7 @@ def create(principal: Principal, submission: ingest.Submission) -> Batch:
                 discount_percent=settings.RELAY_BATCH_DISCOUNT_PERCENT,
                 # Anthropic's users expect a batch to wait out a busy provider and retry what is transient.
                 **common.waiting_and_retrying(),
+                retry_of=retry_of,
                 **Batch.attribution(principal),
             )
             jobs.hand_off(planner.save())

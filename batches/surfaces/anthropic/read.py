@@ -55,6 +55,7 @@ def as_created(batch: Batch) -> Batch:
     Anthropic answers. Read back after the commit, the workers the commit woke may already have
     ended a small batch, and a create would answer `ended`."""
     batch.n_succeeded = batch.n_errored = batch.n_stopped = batch.n_expired = 0
+    batch.retried_by_ids = []  # just made: nothing has retried it yet
     return batch
 
 
@@ -86,9 +87,9 @@ def batches_page(principal: Principal, params) -> tuple[list[Batch], bool]:
 
 
 def with_counts(qs):
-    """Annotate batches with their final items per kind."""
+    """Annotate batches with their final items per kind (and their retries)."""
     return common.count_items(
-        qs,
+        common.with_retried_by(qs),
         {
             "n_succeeded": Q(state=ItemState.COMPLETED),
             "n_errored": Q(state=ItemState.DISCARDED),
@@ -98,7 +99,7 @@ def with_counts(qs):
     )
 
 
-def _stopped_by_expiry(batch: Batch) -> bool:
+def stopped_by_expiry(batch: Batch) -> bool:
     """Whether a request stopped without its own code (at a heartbeat) was stopped by the window closing."""
     if batch.expired_at is None:
         return False
@@ -111,7 +112,7 @@ def request_counts(batch: Batch) -> dict:
         batch = shown(batch.pk)
     succeeded, errored = batch.n_succeeded or 0, batch.n_errored or 0
     stopped, expired = batch.n_stopped or 0, batch.n_expired or 0
-    if _stopped_by_expiry(batch):
+    if stopped_by_expiry(batch):
         expired = stopped
     done, failed = common.provider_progress(batch)  # a provider job's records finished, not yet written
     succeeded, errored = succeeded + done, errored + failed
@@ -147,6 +148,9 @@ def serialize(batch: Batch, base_url: str) -> dict:
         "archived_at": None,  # results are kept until the batch is deleted
         "cancel_initiated_at": _ts(batch.cancelling_at),
         "results_url": f"{base_url}{batch.public_id}/results" if ended else None,
+        # Re-run what failed (batches/surfaces/retry.py): the batch this one re-runs, and its own retries.
+        "retry_of": batch.retry_of_public_id,
+        "retried_by": common.retried_by(batch),
     }
 
 
@@ -206,7 +210,7 @@ _CODE_ERROR_TYPES = {
 
 def iter_results(batch: Batch) -> Iterator[bytes]:
     """One JSONL line per request, in input order, one page of items in memory at a time."""
-    by_expiry = _stopped_by_expiry(batch)
+    by_expiry = stopped_by_expiry(batch)
     for row in common.result_rows(batch):
         yield common.jsonl({"custom_id": row["custom_id"], "result": _result(row, by_expiry)})
 

@@ -31,7 +31,8 @@ def batch_for_owner(batch_id: str, principal: Principal) -> Batch:
     OpenAI-surface batch only by its batch_<hex> id (openai_batch_for_owner).
     """
     pk = parse_native_id(batch_id)
-    batch = common.owned(principal, Surface.NATIVE).filter(pk=pk).first() if pk is not None else None
+    qs = common.with_retried_by(common.owned(principal, Surface.NATIVE).filter(pk=pk))
+    batch = qs.first() if pk is not None else None
     if batch is None:
         raise RelayError(404, "", "batch not found")
     return batch
@@ -67,6 +68,9 @@ def status_head(batch: Batch) -> dict:
             if batch.retry_transient or batch.wait_for_capacity
             else None
         ),
+        # Re-run what failed (batches/surfaces/retry.py): the batch this one re-runs, and its own retries.
+        "retry_of": batch.retry_of_public_id,
+        "retried_by": common.retried_by(batch),
     }
 
 

@@ -21,11 +21,12 @@ def submit_native(principal: auth.Principal, raw_stream) -> Batch:
         return store_native(principal, submission)
 
 
-def store_native(principal: auth.Principal, submission: ingest.Submission) -> Batch:
+def store_native(principal: auth.Principal, submission: ingest.Submission, *, retry_of: Batch | None = None) -> Batch:
     """Store every item and its batch in one transaction; wake workers after commit.
 
     The body was parsed once, as a stream (ingest.read_submission); its items
     come back from the spool. Bad input → RelayError(400) and nothing is stored.
+    `retry_of`: the batch whose failed records this one re-runs (batches/surfaces/retry.py).
     """
     retry = _native_checks(submission.top, submission.count)
     batch_id = uuid6.uuid7()
@@ -36,7 +37,9 @@ def store_native(principal: auth.Principal, submission: ingest.Submission) -> Ba
             rows = ((idx, writer.add(idx, data), "") for idx, data in enumerate(submission.elements()))
             bulk.copy_new_items(batch_id, rows, max_attempts=retry["max_attempts"], stream=not writer.uses_db)
             writer.close()
-            batch = _create_native(principal, batch_id, submission.top["shape"], submission.count, retry)
+            batch = _create_native(
+                principal, batch_id, submission.top["shape"], submission.count, retry, retry_of=retry_of
+            )
     except BaseException:
         writer.discard()
         raise
@@ -141,10 +144,17 @@ def _native_checks(top: dict, seen: int) -> dict:
     return _retry_options(top.get("retry"))
 
 
-def _create_native(principal: auth.Principal, batch_id, shape: str, total: int, retry: dict) -> Batch:
+def _create_native(
+    principal: auth.Principal, batch_id, shape: str, total: int, retry: dict, *, retry_of: Batch | None = None
+) -> Batch:
     """The batch row of items just copied, in the caller's transaction; workers are woken after commit."""
     batch = Batch.objects.create(
-        id=batch_id, inbound_shape=shape, total_items=total, **retry, **Batch.attribution(principal)
+        id=batch_id,
+        inbound_shape=shape,
+        total_items=total,
+        retry_of=retry_of,
+        **retry,
+        **Batch.attribution(principal),
     )
     transaction.on_commit(dispatch.wake_workers)
     return batch

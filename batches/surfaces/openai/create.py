@@ -67,13 +67,16 @@ def check_access(principal: Principal) -> None:
 # --- create -----------------------------------------------------------------------------------
 
 
-def create(principal: Principal, submission: ingest.Submission, *, idempotency_key: str = "") -> Batch:
+def create(
+    principal: Principal, submission: ingest.Submission, *, idempotency_key: str = "", retry_of: Batch | None = None
+) -> Batch:
     """POST /v1/batches (OpenAI body) → a `validating` batch; validation runs in the background.
 
     Inline `requests` become the batch's input file (purpose `batch`, one record
     per line, line N = requests[N-1]), so both ways in share one validator and
     the batch object always has an input_file_id. With an Idempotency-Key, the
-    same key and body from the same owner return the first batch.
+    same key and body from the same owner return the first batch. `retry_of`: the
+    batch whose failed records this one re-runs (batches/surfaces/retry.py).
     """
     check_access(principal)
     params = _create_params(submission)
@@ -119,6 +122,7 @@ def create(principal: Principal, submission: ingest.Submission, *, idempotency_k
                 wait_for_capacity=True,
                 idempotency_key=idempotency_key,
                 request_sha256=submission.sha256 if idempotency_key else "",
+                retry_of=retry_of,
                 **Batch.attribution(principal),
             )
             retention.remember_output_expiry(batch_id, params["output_expires_after"])

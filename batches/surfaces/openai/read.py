@@ -101,7 +101,8 @@ def with_progress(qs):
         by_batch.annotate(v=Sum(Coalesce("billed_cost_nano_usd", "cost_nano_usd"))).values("v"),
         output_field=IntegerField(),
     )
-    return common.count_items(qs, {f"n_{state}": Q(state=state) for state in _COUNTED}).annotate(**annotations)
+    counted = common.count_items(qs, {f"n_{state}": Q(state=state) for state in _COUNTED}).annotate(**annotations)
+    return common.with_retried_by(counted)
 
 
 def request_counts(batch: Batch) -> dict:

@@ -1,6 +1,7 @@
 """The OpenAI surface's objects, as OpenAI shapes them: Batch, File, lists. Timestamps are Unix seconds."""
 
 from batches.models import Batch, File
+from batches.surfaces import common
 from batches.surfaces.openai import read as openai_read
 
 
@@ -36,6 +37,9 @@ def batch(b: Batch) -> dict:
         "request_counts": openai_read.request_counts(b),
         "metadata": b.metadata,
         "usage": openai_read.usage(b),
+        # Re-run what failed (batches/surfaces/retry.py): the batch this one re-runs, and its own retries.
+        "retry_of": b.retry_of_public_id,
+        "retried_by": common.retried_by(b),
     }
 
 
