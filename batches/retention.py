@@ -10,7 +10,10 @@
 - Deleting a batch or a file — through the API, the admin, the retention job or a cascade — removes
   its stored bytes once the delete has committed (`post_delete` receivers below). A batch takes the
   files it wrote (its output and error files, the file made from inline `requests`) with it.
-- `manage.py payload_orphans [--clean]` reports (and removes) stored payloads no row points at.
+- `manage.py payload_orphans [--clean]` reports (and removes) stored payloads no row points at: in the
+  payload directory, the database store and, when RELAY_S3_BUCKET is set, the bucket under
+  RELAY_S3_PREFIX (objects, and multipart uploads begun longer than the grace period ago and never
+  completed: a process killed mid-upload leaves one, and the store keeps its parts until aborted).
 """
 
 import contextlib
@@ -20,7 +23,7 @@ import shutil
 import time
 import uuid
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from django.conf import settings
@@ -29,7 +32,7 @@ from django.db.models.signals import post_delete
 from django.dispatch import receiver
 from django.utils import timezone
 
-from batches import storage
+from batches import storage, storage_s3
 from batches.errors import invalid
 from batches.models import Batch, BatchStatus, File, OutputExpiry, Payload, Surface
 from relay.errors import clipped, quoted
@@ -159,16 +162,20 @@ def _batch_deleted(sender, instance: Batch, **kwargs) -> None:
 
 @dataclass
 class Orphans:
-    """Stored payloads that no row points at. `paths` are under RELAY_BATCH_PAYLOAD_DIR; `keys` are db rows."""
+    """Stored payloads that no row points at. `paths` are under RELAY_BATCH_PAYLOAD_DIR; `keys` are db rows;
+    `objects` are s3 refs (`s3:files/<id>`, or `s3:<batch>/` for all of a batch's objects); `uploads` are
+    (s3 ref path, upload id) of multipart uploads never completed."""
 
     paths: list[Path] = field(default_factory=list)
     keys: list[str] = field(default_factory=list)
+    objects: list[str] = field(default_factory=list)
+    uploads: list[tuple[str, str]] = field(default_factory=list)
     bytes: int = 0
     missing_files: list[str] = field(default_factory=list)  # file rows whose bytes are gone (reported only)
 
     @property
     def count(self) -> int:
-        return len(self.paths) + len(self.keys)
+        return len(self.paths) + len(self.keys) + len(self.objects) + len(self.uploads)
 
 
 def _uuid(text: str) -> uuid.UUID | None:
@@ -183,9 +190,11 @@ def _young_uuid7(value: uuid.UUID, cutoff_ms: int) -> bool:
     return value.version == 7 and (value.int >> 80) > cutoff_ms
 
 
-def find_orphans() -> Orphans:
+def find_orphans(now: float | None = None) -> Orphans:
+    """`now` (epoch seconds): the clock the grace period is counted on (tests move it; default: the time)."""
+    now = time.time() if now is None else now
     grace = settings.RELAY_ORPHAN_GRACE_SECONDS
-    cutoff_ms = int((time.time() - grace) * 1000)
+    cutoff_ms = int((now - grace) * 1000)
     found = Orphans()
     batch_ids = {str(b) for b in Batch.objects.values_list("id", flat=True)}
     file_refs = set(File.objects.values_list("ref", flat=True))
@@ -197,7 +206,7 @@ def find_orphans() -> Orphans:
                 for f in entry.iterdir():
                     if f"file:files/{f.name.removesuffix('.part')}" in file_refs and not f.name.endswith(".part"):
                         continue
-                    if f.stat().st_mtime > time.time() - grace:
+                    if f.stat().st_mtime > now - grace:
                         continue  # an upload in flight
                     found.paths.append(f)
                     found.bytes += f.stat().st_size
@@ -205,7 +214,7 @@ def find_orphans() -> Orphans:
             value = _uuid(entry.name)
             if value is None or str(value) in batch_ids or _young_uuid7(value, cutoff_ms):
                 continue
-            if entry.stat().st_mtime > time.time() - grace:
+            if entry.stat().st_mtime > now - grace:
                 continue
             found.paths.append(entry)
             found.bytes += sum(p.stat().st_size for p in entry.rglob("*") if p.is_file())
@@ -226,13 +235,54 @@ def find_orphans() -> Orphans:
                 continue
         found.keys.append(key)
 
+    stored_s3_files = _s3_orphans(found, batch_ids, file_refs, now - grace) if storage_s3.configured() else None
+
     for public, ref in File.objects.values_list("id", "ref").iterator(chunk_size=2000):
         scheme, _, rest = ref.partition(":")
         if scheme == "file" and not (root / rest).exists():
             found.missing_files.append(f"file-{public.hex}")
         elif scheme == "dbfile" and rest not in stored_db_files:
             found.missing_files.append(f"file-{public.hex}")
+        elif scheme == "s3" and stored_s3_files is not None and rest not in stored_s3_files:
+            found.missing_files.append(f"file-{public.hex}")
     return found
+
+
+def _s3_orphans(found: Orphans, batch_ids: set, file_refs: set, cutoff_s: float) -> set:
+    """The bucket's part of find_orphans; answers the file objects that exist. As in the directory: a
+    batch's objects are orphans when no batch row has its id and the batch is older than the grace
+    period (its UUIDv7) and so is every object of it; a file object when no file row points at it and it
+    is older than the grace period. A multipart upload older than that is abandoned (one in flight keeps
+    its batch's objects from being taken)."""
+    cutoff = datetime.fromtimestamp(cutoff_s, tz=UTC)
+    cutoff_ms = int(cutoff_s * 1000)
+    in_flight = set()
+    for rel, upload_id, initiated in storage_s3.uploads():
+        # Both clocks must say old: the store's (moto reports a fixed date) and the UUIDv7 in the key.
+        head, _, rest = rel.partition("/")
+        value = _uuid(rest if head == "files" else head)
+        if initiated < cutoff and not (value is not None and _young_uuid7(value, cutoff_ms)):
+            found.uploads.append((rel, upload_id))
+        else:
+            in_flight.add(rel.partition("/")[0])
+    stored = set()
+    for name in storage_s3.top_level():
+        if name == "files":
+            for rel, size, modified in storage_s3.objects("files/"):
+                stored.add(rel)
+                if f"s3:{rel}" in file_refs or modified > cutoff:
+                    continue
+                found.objects.append(f"s3:{rel}")
+                found.bytes += size
+            continue
+        value = _uuid(name)
+        if value is None or str(value) in batch_ids or _young_uuid7(value, cutoff_ms) or name in in_flight:
+            continue
+        listing = list(storage_s3.objects(f"{name}/"))
+        if listing and all(modified <= cutoff for _, _, modified in listing):
+            found.objects.append(f"s3:{name}/")
+            found.bytes += sum(size for _, size, _ in listing)
+    return stored
 
 
 def clean_orphans(found: Orphans) -> None:
@@ -244,3 +294,10 @@ def clean_orphans(found: Orphans) -> None:
                 os.unlink(path)
     for i in range(0, len(found.keys), 1000):
         Payload.objects.filter(key__in=found.keys[i : i + 1000]).delete()
+    for rel, upload_id in found.uploads:
+        storage_s3.abort_upload(rel, upload_id)
+    if single := [ref[3:] for ref in found.objects if not ref.endswith("/")]:
+        storage_s3.delete_keys(single)
+    for ref in found.objects:
+        if ref.endswith("/"):
+            storage_s3.delete_prefix(ref[3:])

@@ -9,13 +9,15 @@
   mount the same directory.
 - `db`: rows in PostgreSQL (`Payload`), which every replica sees: the choice for
   several replicas without a shared volume.
+- `s3`: objects in an S3-compatible bucket (batches/storage_s3.py): what every replica sees
+  without the database holding the bodies (docs/object-storage.md).
 
 Files of the OpenAI surface (uploads, output and error files) go through the
-same two backends, written and read as streams so a 200 MB file never sits in
+same backends, written and read as streams so a 200 MB file never sits in
 memory: `dir` keeps one file under `files/`; `db` keeps 1 MiB chunk rows
-(`files/<id>/<n>`, ref scheme `dbfile:`).
+(`files/<id>/<n>`, ref scheme `dbfile:`); `s3` keeps one object, multipart when large.
 
-A ref names its backend (`file:…`, `db:…`, `dbfile:…`), so items written under one setting
+A ref names its backend (`file:…`, `db:…`, `dbfile:…`, `s3:…`), so items written under one setting
 stay readable after the setting changes. A missing payload raises
 PayloadMissing, which fails the item with `load input` — never silently.
 """
@@ -32,13 +34,13 @@ from pathlib import Path
 
 from django.conf import settings
 
+from batches import storage_s3, storage_s3_checks  # noqa: F401 - registers the s3 store's system checks
 from batches.models import Payload
+from batches.storage_errors import FileTooLarge, PayloadMissing, PayloadStoreUnavailable
 
 log = logging.getLogger(__name__)
 
-
-class PayloadMissing(Exception):
-    pass
+__all__ = ["FileTooLarge", "PayloadMissing", "PayloadStoreUnavailable"]  # the callers' names for them
 
 
 class _DirInputWriter:
@@ -114,6 +116,8 @@ def backend() -> str:
 def input_writer(batch_id: str):
     if backend() == "db":
         return _DbInputWriter(batch_id)
+    if backend() == "s3":
+        return storage_s3.InputWriter(batch_id)
     return _DirInputWriter(_root(), batch_id)
 
 
@@ -129,6 +133,8 @@ def write_result(batch_id: str, item_id: str, data: bytes) -> str:
         key = f"{batch_id}/out/{item_id}"
         Payload.objects.update_or_create(key=key, defaults={"data": data})
         return f"db:{key}"
+    if backend() == "s3":
+        return storage_s3.write_result(batch_id, item_id, data)
     return _segments.append(batch_id, data)
 
 
@@ -214,16 +220,20 @@ def read(ref: str) -> bytes:
                 return fh.read()
         except OSError as exc:
             raise _missing(rel) from exc
+    if scheme == "s3":
+        return storage_s3.read(rest)
     raise PayloadMissing(f"unknown payload ref {ref!r}")
 
 
 def read_many(refs: list[str]) -> list:
     """`read()` of many refs at once, in order: each entry is the payload's bytes or the PayloadMissing
     that read() would raise. For the results of a 50,000-item batch: `db:` refs are fetched in one
-    query, whole-file `file:` refs with four system calls each (no pathlib, no buffered file object), and
-    byte ranges with one `pread` each, every file they share opened once."""
+    query, whole-file `file:` refs with four system calls each (no pathlib, no buffered file object),
+    byte ranges with one `pread` each, every file they share opened once, and `s3:` refs by concurrent
+    GETs (storage_s3.read_many)."""
     out: list = [None] * len(refs)
     db_keys: dict[str, list[int]] = {}
+    s3_refs: dict[int, str] = {}
     root = os.fsencode(_root()) + b"/"
     spans = _Spans(root)
     try:
@@ -232,6 +242,8 @@ def read_many(refs: list[str]) -> list:
                 db_keys.setdefault(ref[3:], []).append(i)
             elif ref.startswith("file:"):
                 out[i] = _read_whole(root, ref) if "#" not in ref else spans.read(ref)
+            elif ref.startswith("s3:"):
+                s3_refs[i] = ref[3:]
             else:
                 try:
                     out[i] = read(ref)
@@ -239,6 +251,9 @@ def read_many(refs: list[str]) -> list:
                     out[i] = exc
     finally:
         spans.close()
+    if s3_refs:
+        for i, data in zip(s3_refs, storage_s3.read_many(list(s3_refs.values())), strict=True):
+            out[i] = data
     if db_keys:
         found = dict(Payload.objects.filter(key__in=list(db_keys)).values_list("key", "data"))
         for key, positions in db_keys.items():
@@ -350,15 +365,13 @@ def _read_whole(root: bytes, ref: str):
 def delete_batch(batch_id: str) -> None:
     Payload.objects.filter(key__startswith=f"{batch_id}/").delete()
     shutil.rmtree(_root() / batch_id, ignore_errors=True)
+    if storage_s3.configured():  # also under another setting now: refs name their store, and so do deletes
+        storage_s3.delete_prefix(f"{batch_id}/")
 
 
 # --- files (OpenAI surface) -----------------------------------------------------------
 
 FILE_CHUNK = 1024 * 1024
-
-
-class FileTooLarge(Exception):
-    pass
 
 
 class _DirFileWriter:
@@ -430,6 +443,8 @@ def file_writer(file_id: str, limit: int | None = None):
     """A writer with write(bytes), close() → ref, discard(), and `size`; FileTooLarge past `limit` bytes."""
     if backend() == "db":
         return _DbFileWriter(file_id, limit)
+    if backend() == "s3":
+        return storage_s3.FileWriter(file_id, limit)
     return _DirFileWriter(_root(), file_id, limit)
 
 
@@ -457,6 +472,9 @@ def iter_file(ref: str, chunk_size: int = FILE_CHUNK) -> Iterator[bytes]:
         with fh:
             while chunk := fh.read(chunk_size):
                 yield chunk
+        return
+    if scheme == "s3":
+        yield from storage_s3.iter_file(rest, chunk_size)
         return
     raise PayloadMissing(f"unknown file ref {ref!r}")
 
@@ -494,3 +512,5 @@ def delete_file(ref: str) -> None:
         Payload.objects.filter(key__startswith=rest + "/").delete()
     elif scheme == "file":
         (_root() / rest).unlink(missing_ok=True)
+    elif scheme == "s3":
+        storage_s3.delete(rest)

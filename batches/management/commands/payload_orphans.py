@@ -7,9 +7,9 @@ from batches import retention
 
 class Command(BaseCommand):
     help = (
-        "Report batch payloads and file bytes in the payload store (directory or database) that no row points at, "
-        "and file rows whose bytes are gone. --clean removes the orphans (never a row). Entries younger than "
-        "RELAY_ORPHAN_GRACE_SECONDS are left alone: they may belong to an upload or a submit in flight."
+        "Report batch payloads and file bytes in the payload store (directory, database or bucket) that no row "
+        "points at, and file rows whose bytes are gone. --clean removes the orphans (never a row). Entries younger "
+        "than RELAY_ORPHAN_GRACE_SECONDS are left alone: they may belong to an upload or a submit in flight."
     )
 
     def add_arguments(self, parser):
@@ -21,6 +21,10 @@ class Command(BaseCommand):
             self.stdout.write(f"orphan  {path}")
         for key in found.keys:
             self.stdout.write(f"orphan  db:{key}")
+        for ref in found.objects:
+            self.stdout.write(f"orphan  {ref}")
+        for rel, upload_id in found.uploads:
+            self.stdout.write(f"orphan  s3:{rel} (multipart upload {upload_id})")
         for file_id in found.missing_files:
             self.stdout.write(f"missing {file_id} (its row remains; its bytes are gone)")
         self.stdout.write(
