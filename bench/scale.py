@@ -108,13 +108,13 @@ def _grow(principals, templates: list, target: int) -> None:
                     team_id, policy_id, host_key_id, project, team, policy, model, provider, host, batch_id,
                     input_tokens, output_tokens, cache_read_tokens, cache_write_tokens, cost_nano_usd,
                     billed_cost_nano_usd, executed_by)
-                SELECT 'scale-' || gen_random_uuid(), 'batch', now() - (g %% 86400) * interval '1 s',
-                    CASE WHEN g %% 50 = 0 THEN 500 ELSE 200 END, 20 + g %% 3000, 1, '', '', 'key', '1',
+                SELECT i.id::text, 'batch', now() - (i.idx %% 86400) * interval '1 s',
+                    CASE WHEN i.idx %% 50 = 0 THEN 500 ELSE 200 END, 20 + i.idx %% 3000, 1, '', '', 'key', '1',
                     'serviceaccount', %s, NULL, NULL, NULL, NULL, 'bench', 'bench', 'bench', 'gpt-4o', 'openai',
                     'openai', %s, 12, 40, 0, 0, 430000, 215000, 'relay'
-                FROM generate_series(0, %s - 1) g
+                FROM batches_item i WHERE i.batch_id = %s AND i.idx >= %s
                 """,
-                [principals[hash(b.id) % len(principals)].principal_id, str(b.id), per_batch],
+                [principals[hash(b.id) % len(principals)].principal_id, str(b.id), b.id, base],
             )
         cur.execute("ANALYZE batches_item")
         cur.execute("ANALYZE usage_usageevent")

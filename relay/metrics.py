@@ -85,7 +85,9 @@ def _terminal_counts() -> dict[str, int]:
     client = get_redis()
     cached = client.hgetall(_TERMINAL_KEY)
     if cached:
-        return {k.decode(): int(v) for k, v in cached.items() if k != b"_"}
+        texts = {(k.decode() if isinstance(k, bytes) else k): int(v) for k, v in cached.items()}
+        texts.pop("_", None)
+        return texts
     open_states = (ItemState.AVAILABLE, ItemState.RUNNING, ItemState.DELEGATED)
     counts = dict(Item.objects.exclude(state__in=open_states).values_list("state").annotate(n=Count("pk")).order_by())
     pipe = client.pipeline()

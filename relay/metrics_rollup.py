@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 
 from django.db import DatabaseError, transaction
 from django.db.models import Case, CharField, Count, F, Max, Q, Sum, Value, When
@@ -102,7 +103,12 @@ def _add_runs(runs: dict, events) -> None:
 
     from batches.models import Item
 
-    ids = list(events.filter(source="batch").values_list("request_id", flat=True))
+    ids = []
+    for request_id in events.filter(source="batch").values_list("request_id", flat=True):
+        try:
+            ids.append(uuid.UUID(request_id))
+        except ValueError:
+            continue  # not an item's event (an id written by hand, an import): no run time to count
     run = ExpressionWrapper(F("finished_at") - F("started_at"), output_field=DurationField())
     for start in range(0, len(ids), ITEM_CHUNK):
         rows = (

@@ -73,6 +73,8 @@ def test_metrics_after_a_batch_runs(catalog, fake):
     text, samples = scrape()
     assert value(samples, "relay_batch_items", state="completed") == 3
     assert value(samples, "relay_batch_items", state="running") == 0
+    # The next scrape reads the terminal states' counts from their 60 s cache: the same figures.
+    assert value(scrape()[1], "relay_batch_items", state="completed") == 3
     assert value(samples, "relay_batches", surface="native", status="completed") == 1
     depth = dispatch.queue_length(dispatch.ITEM_QUEUE)  # wake-ups no worker took (none runs here)
     assert value(samples, "relay_queue_depth", queue="batch") == depth
