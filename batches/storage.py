@@ -130,8 +130,11 @@ def write_result(batch_id: str, item_id: str, data: bytes) -> str:
     returns, and a result whose finish never commits is left unreferenced in the file (a retry appends
     its own), deleted with the batch."""
     if backend() == "db":
-        key = f"{batch_id}/out/{item_id}"
-        Payload.objects.update_or_create(key=key, defaults={"data": data})
+        # A key per write, never the item's alone: a claim fenced out (its host cut off, its lease rescued)
+        # still reaches this line after the rescuer stored its result, and must not replace it. Its row
+        # stays unreferenced (its finish is refused) and goes with the batch.
+        key = f"{batch_id}/out/{item_id}-{secrets.token_hex(4)}"
+        Payload.objects.create(key=key, data=data)
         return f"db:{key}"
     if backend() == "s3":
         return storage_s3.write_result(batch_id, item_id, data)

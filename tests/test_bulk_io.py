@@ -8,8 +8,9 @@ import uuid
 
 import pytest
 from django.db import transaction
+from django.test import override_settings
 
-from batches import bulk
+from batches import bulk, storage
 from batches.models import Item
 from relay import jsonguard
 
@@ -320,3 +321,14 @@ def test_results_are_byte_ranges_of_one_file_per_batch_and_process(tmp_path):
         got = storage.read_many([b2, c])
         assert got[0] == b'{"n": "child"}' and isinstance(got[1], storage.PayloadMissing)
         assert "truncated" in str(got[1])
+
+
+@pytest.mark.django_db
+@override_settings(RELAY_BATCH_PAYLOAD_STORE="db")
+def test_a_fenced_out_claim_never_replaces_the_result_stored_by_the_rescuer():
+    """Found by the multi-host drill: a host cut off mid-call reaches write_result after another host
+    rescued the item and stored its result; the late write must land beside it, not over it."""
+    rescuer = storage.write_result("b9", "i9", b'{"by": "rescuer"}')
+    late = storage.write_result("b9", "i9", b'{"by": "cut-off host"}')
+    assert rescuer != late
+    assert storage.read(rescuer) == b'{"by": "rescuer"}'
