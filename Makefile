@@ -1,5 +1,5 @@
 # The two commands of the README. Each does its own set-up.
-.PHONY: run test test-fast lint bench bench-quick bench-scale drill manage flower docs
+.PHONY: run test test-fast test-pooler lint bench bench-quick bench-scale drill manage flower docs
 
 run:
 	@bash scripts/run.sh
@@ -10,6 +10,10 @@ test:
 # The unit tier alone (no services, no database): seconds.
 test-fast:
 	@bash scripts/test.sh --fast
+
+# The durability, query-count and pooler suites through PgBouncer in transaction mode (docs/pooler.md).
+test-pooler:
+	@bash scripts/test_pooler.sh
 
 lint:
 	@.venv/bin/ruff check . && .venv/bin/ruff format --check .

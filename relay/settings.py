@@ -111,26 +111,58 @@ RELAY_DB_HEALTH_CHECK_IDLE_S = env.float("RELAY_DB_HEALTH_CHECK_IDLE_S", default
 # No statement runs longer (PostgreSQL); a native batch streamed into its COPY gets the edge's body
 # deadline on top (batches.surfaces.native.submit.store_native_streaming).
 RELAY_DB_STATEMENT_TIMEOUT_MS = env.int("RELAY_DB_STATEMENT_TIMEOUT_MS", default=60_000)
+# DATABASE_URL reaches PostgreSQL through a transaction-mode pooler (PgBouncer `pool_mode = transaction`):
+# each transaction may run on another server connection, so the relay keeps no state across
+# transactions (docs/pooler.md): no prepared statements, no connect-time `options`, no session SET,
+# no server-side cursors. DATABASE_DIRECT_URL reaches PostgreSQL itself: the `direct` alias, for what
+# must hold a session (`manage.py migrate --database direct`).
+DATABASE_POOLER = env.str("DATABASE_POOLER", default="")
+DATABASE_DIRECT_URL = env.str("DATABASE_DIRECT_URL", default="")
+if DATABASE_POOLER not in ("", "transaction"):
+    raise ImproperlyConfigured("DATABASE_POOLER must be 'transaction' (a transaction-mode pooler) or empty")
+# How the timeouts below reach the server: `session` (connect-time `options`), `transaction` (SET LOCAL at
+# the start of every transaction: the only way through a transaction-mode pooler, which refuses
+# `options`), `role` (none: the operator set them on the role, `ALTER ROLE … SET`, docs/pooler.md).
+RELAY_DB_TIMEOUTS = env.str("RELAY_DB_TIMEOUTS", default="transaction" if DATABASE_POOLER else "session")
+if RELAY_DB_TIMEOUTS not in ("session", "transaction", "role"):
+    raise ImproperlyConfigured("RELAY_DB_TIMEOUTS must be 'session', 'transaction' or 'role'")
+if DATABASE_POOLER and RELAY_DB_TIMEOUTS == "session":
+    raise ImproperlyConfigured("RELAY_DB_TIMEOUTS=session needs connect-time options, which PgBouncer refuses")
+# One frozen process (a paused VM, a half-open connection) must not stall the others: no statement
+# runs, no lock is waited for and no transaction idles past these, and a dead peer is noticed by
+# TCP keepalives instead of hanging a worker for the kernel's default two hours.
+RELAY_DB_TIMEOUTS_MS = {
+    "statement_timeout": RELAY_DB_STATEMENT_TIMEOUT_MS,
+    "lock_timeout": env.int("RELAY_DB_LOCK_TIMEOUT_MS", default=10_000),
+    "idle_in_transaction_session_timeout": env.int("RELAY_DB_IDLE_IN_TRANSACTION_TIMEOUT_MS", default=30_000),
+}
+
+
+def _postgresql(db: dict, *, pooler: str, timeouts: str) -> None:
+    """The relay's PostgreSQL backend (relay/db/postgresql) and its connection options for `db`."""
+    db["ENGINE"] = "relay.db.postgresql"
+    options = {"keepalives": 1, "keepalives_idle": 30, "keepalives_interval": 10, "keepalives_count": 3}
+    if timeouts == "session":
+        options["options"] = " ".join(f"-c {name}={value}" for name, value in RELAY_DB_TIMEOUTS_MS.items())
+    elif timeouts == "transaction":
+        db["TIMEOUTS_PER_TRANSACTION"] = RELAY_DB_TIMEOUTS_MS  # read by relay/db/postgresql
+    if pooler:
+        db["POOLER"] = pooler
+        # Django's .iterator() holds a cursor WITH HOLD across transactions in autocommit: lost behind
+        # a transaction pooler, which hands the next transaction another server connection.
+        db["DISABLE_SERVER_SIDE_CURSORS"] = True
+    db.setdefault("OPTIONS", {}).update({**options, "connect_timeout": 10})
+
+
 if DATABASES["default"]["ENGINE"].endswith("postgresql"):
-    DATABASES["default"]["ENGINE"] = "relay.db.postgresql"
-    # One frozen process (a paused VM, a half-open connection) must not stall the others: no statement
-    # runs, no lock is waited for and no transaction idles past these, and a dead peer is noticed by
-    # TCP keepalives instead of hanging a worker for the kernel's default two hours.
-    _timeouts = {
-        "statement_timeout": RELAY_DB_STATEMENT_TIMEOUT_MS,
-        "lock_timeout": env.int("RELAY_DB_LOCK_TIMEOUT_MS", default=10_000),
-        "idle_in_transaction_session_timeout": env.int("RELAY_DB_IDLE_IN_TRANSACTION_TIMEOUT_MS", default=30_000),
-    }
-    DATABASES["default"].setdefault("OPTIONS", {}).update(
-        {
-            "options": " ".join(f"-c {name}={value}" for name, value in _timeouts.items()),
-            "keepalives": 1,
-            "keepalives_idle": 30,
-            "keepalives_interval": 10,
-            "keepalives_count": 3,
-            "connect_timeout": 10,
-        }
-    )
+    _postgresql(DATABASES["default"], pooler=DATABASE_POOLER, timeouts=RELAY_DB_TIMEOUTS)
+    if DATABASE_DIRECT_URL:
+        DATABASES["direct"] = env.db_url_config(DATABASE_DIRECT_URL)
+        DATABASES["direct"]["CONN_MAX_AGE"] = 0  # migrations and one-off sessions: nothing to keep
+        # A session of its own: the timeouts as connect-time options (or the role's), never SET LOCAL.
+        _postgresql(DATABASES["direct"], pooler="", timeouts="role" if RELAY_DB_TIMEOUTS == "role" else "session")
+        # The same database as `default`: the test suite makes no second test database for it.
+        DATABASES["direct"]["TEST"] = {"MIRROR": "default"}
 if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
     # The web server, the worker and the sweeper all write to one file: wait for
     # the lock instead of failing with "database is locked".
@@ -232,11 +264,17 @@ LOGGING = {
 }
 
 # --- Batches ---------------------------------------------------------------
-# `dir` (files under RELAY_BATCH_PAYLOAD_DIR; every replica must mount it) or
-# `db` (PostgreSQL rows that every replica sees).
+# `dir` (files under RELAY_BATCH_PAYLOAD_DIR; every replica must mount it), `db` (PostgreSQL rows every
+# replica sees) or `s3` (objects in an S3-compatible bucket: docs/object-storage.md).
 RELAY_BATCH_PAYLOAD_STORE = env.str("RELAY_BATCH_PAYLOAD_STORE", default="dir")
-if RELAY_BATCH_PAYLOAD_STORE not in ("dir", "db"):
-    raise ImproperlyConfigured("RELAY_BATCH_PAYLOAD_STORE must be 'dir' or 'db'")
+if RELAY_BATCH_PAYLOAD_STORE not in ("dir", "db", "s3"):
+    raise ImproperlyConfigured("RELAY_BATCH_PAYLOAD_STORE must be 'dir', 'db' or 's3'")
+# The s3 store: bucket (must exist), endpoint (unset: AWS S3), region, key prefix. Credentials: the
+# standard AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (unset: boto3's chain), read by batches/storage_s3.py.
+RELAY_S3_BUCKET = env.str("RELAY_S3_BUCKET", default="")
+RELAY_S3_ENDPOINT_URL = env.str("RELAY_S3_ENDPOINT_URL", default="")
+RELAY_S3_REGION = env.str("RELAY_S3_REGION", default="us-east-1")
+RELAY_S3_PREFIX = env.str("RELAY_S3_PREFIX", default="relay/")
 RELAY_BATCH_ITEM_DEADLINE_SECONDS = env.float("RELAY_BATCH_ITEM_DEADLINE_SECONDS", default=300.0)
 # A running item's lease; its heartbeat renews it every RELAY_BATCH_HEARTBEAT_SECONDS
 # and reads the batch's cancel flag at the same time.
@@ -281,9 +319,12 @@ RELAY_BATCH_MAX_WAIT_SECONDS = env.int("RELAY_BATCH_MAX_WAIT_SECONDS", default=2
 # Item work on `batch` (the 8-slot item worker); everything else of batches — sweeping,
 # validation, finalization, retention — on `control`, its own worker (relay/processes.py).
 CELERY_TASK_ROUTES = queues.TASK_ROUTES
+# /metrics' usage rollup catches up on the events written since its last count (relay/metrics_rollup.py).
+RELAY_METRICS_ROLLUP_SECONDS = env.float("RELAY_METRICS_ROLLUP_SECONDS", default=15.0)
 CELERY_BEAT_SCHEDULE = {
     "batch-sweeper": {"task": "batches.tasks.sweep", "schedule": RELAY_BATCH_SWEEP_SECONDS},
     "retention": {"task": "batches.tasks.retention", "schedule": RELAY_RETENTION_SWEEP_SECONDS},
+    "metrics-rollup": {"task": "relay.tasks.roll_up_metrics", "schedule": RELAY_METRICS_ROLLUP_SECONDS},
 }
 
 # --- Batches: the OpenAI-compatible surface (Files + Batch objects, decision 0005) ---

@@ -242,6 +242,18 @@ def django_db_setup(django_db_setup):
     from batches.worker import bookkeeper
 
     bookkeeper.close_bookkeeper()
+    from django.db import connection
+
+    s = connection.settings_dict
+    if s.get("POOLER"):  # the pooler tier: PgBouncer keeps server connections to the test DB; DROP needs them gone
+        import psycopg2
+
+        admin = psycopg2.connect(host=s["HOST"], port=s["PORT"], user=s["USER"], dbname="pgbouncer")
+        admin.autocommit = True
+        with admin.cursor() as cur:
+            cur.execute(f"KILL {s['NAME']}")
+            cur.execute(f"RESUME {s['NAME']}")
+        admin.close()
 
 
 @pytest.fixture(scope="session")

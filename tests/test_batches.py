@@ -1,6 +1,7 @@
 """Relay-native batch API end to end: live HTTP server, a real Celery worker
 process, real PostgreSQL and Redis, and the fake upstream."""
 
+import json
 import threading
 import time
 from datetime import timedelta
@@ -104,6 +105,25 @@ def test_openai_batch_completes_with_results_and_usage_events(api, catalog, fake
     assert {e.request_id for e in events} == {str(i.id) for i in Item.objects.filter(batch_id=body["id"])}
     assert all(e.project == "proj-a" and e.cost_nano_usd > 0 for e in events)
     assert {r["body"]["model"] for r in fake.received} == {"gpt-4o-2024-08-06"}
+
+
+def test_results_and_status_page_by_keyset_behind_a_transaction_pooler(api, monkeypatch):
+    """Behind PgBouncer in transaction mode no cursor outlives its transaction (server-side cursors are off):
+    the results and the status list are read a page per statement, after the last idx seen, and come out
+    byte for byte as from the server-side cursor."""
+    from django.db import connection
+
+    from batches.surfaces.native import read
+
+    batch_id = api.submit([CHAT] * 5).json()["id"]
+    api.wait_done(batch_id)
+    batch = Batch.objects.get(pk=batch_id)
+    results, status = b"".join(read.iter_results_json(batch)), b"".join(read.iter_status_json(batch))
+    monkeypatch.setitem(connection.settings_dict, "DISABLE_SERVER_SIDE_CURSORS", True)
+    monkeypatch.setattr(read, "RESULTS_ROWS", 2)  # three pages
+    assert b"".join(read.iter_results_json(batch)) == results
+    assert b"".join(read.iter_status_json(batch)) == status
+    assert [r["idx"] for r in json.loads(results)["results"]] == [0, 1, 2, 3, 4]
 
 
 def test_anthropic_batch(api, fake):

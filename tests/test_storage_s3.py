@@ -12,8 +12,6 @@ import json
 import os
 import socket
 import subprocess
-import sys
-import tempfile
 import time
 import tracemalloc
 import uuid
@@ -401,28 +399,10 @@ def test_orphan_cleanup_removes_unreferenced_objects_and_keeps_referenced_and_fr
 # --- end to end: real workers with the s3 store ---------------------------------------------------------
 
 
-def _settings_accept_s3(env: dict) -> bool:
-    probe = subprocess.run(
-        [sys.executable, "-c", "import django; django.setup()"], env=env, cwd=ROOT, capture_output=True, timeout=120
-    )
-    return probe.returncode == 0
-
-
 @pytest.fixture
 def s3_workers(workers, bucket, tmp_path):
     """Start a fleet whose processes use the bucket, as a deployment sets them: by the environment."""
     env = {**bucket.settings(), "RELAY_BATCH_PAYLOAD_DIR": str(tmp_path / "unused")}
-    if not _settings_accept_s3({**os.environ, **env}):
-        # relay/settings.py does not list `s3` yet: a settings module that only adds it (PYTHONPATH).
-        shim = Path(tempfile.mkdtemp(prefix="relay-s3-settings-"))
-        (shim / "relay_s3_settings.py").write_text(
-            'from relay.settings import *  # noqa\nRELAY_BATCH_PAYLOAD_STORE = "s3"\n'
-        )
-        env |= {
-            "RELAY_BATCH_PAYLOAD_STORE": "dir",
-            "DJANGO_SETTINGS_MODULE": "relay_s3_settings",
-            "PYTHONPATH": os.pathsep.join([str(shim), str(ROOT)]),
-        }
     return lambda name: workers(name, extra_env=env)
 
 

@@ -81,6 +81,8 @@ def finish_item_at_once(
 
     def write() -> bool:
         with connection.cursor() as cursor:
+            # Behind a transaction pooler every name reads as prepared and `execute` is the statement
+            # itself (sql.POOLED): nothing is prepared.
             prepared = sql.prepared_on.setdefault(connection.connection, set())
             if name not in prepared:
                 cursor.execute(prepare)  # PREPARE is not undone by a rollback: once per connection

@@ -1,12 +1,18 @@
 """The relay's own SQL machinery for the hot path: server-side prepared statements (one set per
 database connection, planned once), rows built without model instances, and the finish statement's
-text built once per shape. PostgreSQL only; SQLite (embedded mode) takes the ORM's paths."""
+text built once per shape. PostgreSQL only; SQLite (embedded mode) takes the ORM's paths.
+
+Behind a transaction-mode pooler (DATABASE_POOLER=transaction, docs/pooler.md) nothing is prepared: a
+statement prepared on one server connection is not there for the next transaction, which the pooler may
+give another. The same statements are sent whole (psycopg2 interpolates the parameters on the client),
+and the claim's planner settings go with it as SET LOCAL (`POOLED` below)."""
 
 import hashlib
 import re
 import weakref
 
 from django.apps import apps
+from django.conf import settings
 from django.db import connection, models
 
 from batches.models import Item
@@ -25,12 +31,49 @@ PARAM_TYPES = {
     "batch": "uuid",
     "async_commit": "boolean",
 }
-prepared_on: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # DB-API connection → names
+# The claims and the finish run on the `default` database, whose settings say whether it is pooled.
+POOLED = settings.DATABASES["default"].get("POOLER") == "transaction"
+
+
+class _SentWhole:
+    """Behind a transaction pooler: every statement is sent whole, so each reads as ready on every
+    connection and none is ever prepared (`name in prepared_on.setdefault(conn, …)` is always true)."""
+
+    def __contains__(self, name) -> bool:
+        return True
+
+    def add(self, name) -> None:
+        pass
+
+
+class _NothingPrepared:
+    ready = _SentWhole()
+
+    def setdefault(self, conn, default=None) -> _SentWhole:
+        return self.ready
+
+    def __getitem__(self, conn) -> _SentWhole:
+        return self.ready
+
+
+# DB-API connection → names of the statements prepared on it.
+prepared_on = _NothingPrepared() if POOLED else weakref.WeakKeyDictionary()
+
+# Behind a pooler the claim is planned at every run, with the values it runs with (a custom plan), under
+# the settings its prepared form is planned with (below: no sort where an index gives the order, no JIT).
+# SET LOCAL: they end with the claim's own transaction (an implicit one: the settings, the claim and
+# a finish sent in front of it are one query string).
+PLAN_SETTINGS = "SET LOCAL enable_sort = off; SET LOCAL jit = off;\n"
+_PARAM = re.compile(r"%\((\w+)\)s")
 
 
 def statement_forms(name: str, sql: str) -> tuple[str, str, str, tuple[str, ...]]:
     """(PREPARE, EXECUTE, the EXECUTE with positional %s, their parameters' names) of a statement written
-    with %(name)s parameters (those of PARAM_TYPES). The positional form goes behind a held finish."""
+    with %(name)s parameters (those of PARAM_TYPES). The positional form goes behind a held finish.
+    Behind a pooler: ("", the statement itself with its planner settings, the same with positional %s,
+    the name of each %s in order)."""
+    if POOLED:
+        return "", PLAN_SETTINGS + sql, PLAN_SETTINGS + _PARAM.sub("%s", sql), tuple(_PARAM.findall(sql))
     used = [n for n in PARAM_TYPES if f"%({n})s" in sql]
     body = sql
     for i, n in enumerate(used, 1):
@@ -57,6 +100,8 @@ PLAN_PARAMS = dict.fromkeys(PARAM_TYPES) | {"owner": "", "floor": 0}
 
 
 def prepare(cursor, prepared: set, name: str, prepare: str, execute: str) -> None:
+    if POOLED:  # nothing to prepare (`statement_forms`); `prepared_on` never asks for it
+        return
     cursor.execute(prepare)  # PREPARE is not undone by a rollback: once per connection
     cursor.execute("SET plan_cache_mode = force_generic_plan")
     # jit off too: the planner decides JIT from the plan's cost, which a disabled sort inflates (the fair
@@ -157,6 +202,8 @@ def _finish_statement(sql: str, n: int) -> tuple[str, str, str]:
     pieces = sql.split("%s")
     if len(pieces) != n + 1:
         raise ValueError(f"finish statement: {len(pieces) - 1} placeholders for {n} parameters")
+    if POOLED:  # sent whole, its values interpolated by psycopg2
+        return name, "", sql
     body = pieces[0] + "".join(f"${i}{piece}" for i, piece in enumerate(pieces[1:], 1))
     return name, f"PREPARE {name} AS {body}", f"EXECUTE {name}({', '.join(['%s'] * n)})"
 

@@ -81,15 +81,36 @@ def iter_status_json(batch: Batch) -> Iterator[bytes]:
     yield json.dumps(head)[:-1].encode() + b', "items": ['
     # Raw rows from a server-side cursor, 5,000 a time: no ORM row handling per item.
     item = Item._meta
-    sql = f'SELECT "idx", "state" FROM "{item.db_table}" WHERE "{item.get_field("batch").column}" = %s ORDER BY "idx"'
+    sql = f'SELECT "idx", "state" FROM "{item.db_table}" WHERE "{item.get_field("batch").column}" = %s'
     first = True
-    with connection.chunked_cursor() as cursor:
-        cursor.execute(sql, [Batch._meta.pk.get_db_prep_value(batch.pk, connection)])
-        while rows := cursor.fetchmany(5000):
-            text = ", ".join([f'{{"idx": {idx}, "state": "{state}"}}' for idx, state in rows])
-            yield (text if first else ", " + text).encode()
-            first = False
+    for rows in _pages(sql, '"idx"', batch, 5000):
+        text = ", ".join([f'{{"idx": {idx}, "state": "{state}"}}' for idx, state in rows])
+        yield (text if first else ", " + text).encode()
+        first = False
     yield b"]}"
+
+
+def _pages(sql: str, idx: str, batch: Batch, size: int) -> Iterator[list]:
+    """Pages of `size` rows of `sql` (a SELECT over one batch's items, `idx` its first column, named `idx` in
+    the statement) in idx order, in constant memory: from a server-side cursor, or, behind a transaction
+    pooler (which hands each transaction another server connection, so no cursor outlives one), by
+    keyset: each page a statement of its own starting after the last idx seen."""
+    batch_pk = Batch._meta.pk.get_db_prep_value(batch.pk, connection)
+    if not connection.settings_dict.get("DISABLE_SERVER_SIDE_CURSORS"):
+        with connection.chunked_cursor() as cursor:
+            cursor.execute(f"{sql} ORDER BY {idx}", [batch_pk])
+            while rows := cursor.fetchmany(size):
+                yield rows
+        return
+    after = -1
+    while True:
+        with connection.cursor() as cursor:
+            cursor.execute(f"{sql} AND {idx} > %s ORDER BY {idx} LIMIT %s", [batch_pk, after, size])
+            rows = cursor.fetchall()
+        if not rows:
+            return
+        yield rows
+        after = rows[-1][0]
 
 
 # Rows fetched from the server-side cursor at a time, and the size of each chunk handed to the server.
@@ -113,46 +134,44 @@ def iter_results_json(batch: Batch) -> Iterator[bytes]:
         # shows 0, not the one history row its final state wrote.
         f'(SELECT COUNT(*) FROM "{attempt.db_table}" a WHERE a."{attempt.get_field("item").column}" = i."id" '
         "AND (a.host_key_id IS NOT NULL OR a.status_code IS NOT NULL OR a.outcome = 'worker_lost')) "
-        f'FROM "{item.db_table}" i WHERE i."{item.get_field("batch").column}" = %s ORDER BY i."idx"'
+        f'FROM "{item.db_table}" i WHERE i."{item.get_field("batch").column}" = %s'
     )
     out = [b'{"results":[']
     size, first = 0, True
     completed = ItemState.COMPLETED
-    with connection.chunked_cursor() as cursor:
-        cursor.execute(sql, [Batch._meta.pk.get_db_prep_value(batch.pk, connection)])
-        while rows := cursor.fetchmany(RESULTS_ROWS):
-            refs = [row[2] for row in rows if row[1] == completed and row[2]]
-            bodies = iter(storage.read_many(refs)) if refs else iter(())
-            for idx, state, result_ref, error, error_body, status_code, n_attempts in rows:
-                piece = (
-                    (b'{"idx":' if first else b',{"idx":')
-                    + str(idx).encode()
-                    + b',"state":'
-                    + (_STATES.get(state) or json.dumps(state).encode())
-                )
-                first = False
-                if state == completed and result_ref:
-                    body = next(bodies)
-                    if isinstance(body, storage.PayloadMissing):
-                        piece += b',"error":' + json.dumps(f"batch: load result: {body}").encode()
-                    elif _is_json(body):  # only valid JSON is spliced in verbatim
-                        piece += b',"response":' + body
-                    else:
-                        piece += b',"error":' + json.dumps(f"batch: load result: {_json_error(body)}").encode()
-                elif error:
-                    piece += b',"error":' + json.dumps(error).encode()
-                    if status_code:
-                        piece += b',"status_code":' + str(status_code).encode()
-                    if error_body:
-                        piece += b',"error_body":' + _error_body_json(error_body)
-                if n_attempts:
-                    # Tries that reached a provider (retries and 429 waits included); each is in the attempt history.
-                    piece += b',"attempts":' + str(n_attempts).encode()
-                out.append(piece + b"}")
-                size += len(piece)
-                if size >= WRITE_CHUNK:
-                    yield b"".join(out)
-                    out, size = [], 0
+    for rows in _pages(sql, 'i."idx"', batch, RESULTS_ROWS):
+        refs = [row[2] for row in rows if row[1] == completed and row[2]]
+        bodies = iter(storage.read_many(refs)) if refs else iter(())
+        for idx, state, result_ref, error, error_body, status_code, n_attempts in rows:
+            piece = (
+                (b'{"idx":' if first else b',{"idx":')
+                + str(idx).encode()
+                + b',"state":'
+                + (_STATES.get(state) or json.dumps(state).encode())
+            )
+            first = False
+            if state == completed and result_ref:
+                body = next(bodies)
+                if isinstance(body, storage.PayloadMissing):
+                    piece += b',"error":' + json.dumps(f"batch: load result: {body}").encode()
+                elif _is_json(body):  # only valid JSON is spliced in verbatim
+                    piece += b',"response":' + body
+                else:
+                    piece += b',"error":' + json.dumps(f"batch: load result: {_json_error(body)}").encode()
+            elif error:
+                piece += b',"error":' + json.dumps(error).encode()
+                if status_code:
+                    piece += b',"status_code":' + str(status_code).encode()
+                if error_body:
+                    piece += b',"error_body":' + _error_body_json(error_body)
+            if n_attempts:
+                # Tries that reached a provider (retries and 429 waits included); each is in the attempt history.
+                piece += b',"attempts":' + str(n_attempts).encode()
+            out.append(piece + b"}")
+            size += len(piece)
+            if size >= WRITE_CHUNK:
+                yield b"".join(out)
+                out, size = [], 0
     out.append(b"]}")
     yield b"".join(out)
 
