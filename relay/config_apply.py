@@ -26,6 +26,8 @@ from relay.models import (
     ServiceAccount,
     Team,
 )
+from usage.budgets import parse_usd
+from usage.models import SCOPE_KINDS, Budget, Period
 
 TOP_LEVEL = (
     "teams",
@@ -38,6 +40,7 @@ TOP_LEVEL = (
     "rate_limits",
     "host_keys",
     "policies",
+    "budgets",
 )
 NANOS_PER_USD = Decimal(1_000_000_000)
 
@@ -412,6 +415,53 @@ def _policy(e, report, where):
         _mark_updated(report, f"policy {policy.name}")
 
 
+@_wrap_validation
+def _budget(e, report, where):
+    """A spend budget: exactly one of project / team / service_account / policy, `usd` per `period`."""
+    _allowed(e, "name", *SCOPE_KINDS, "usd", "period", "enabled")
+    name = _required(e, "name")
+    given = [kind for kind in SCOPE_KINDS if e.get(kind) not in (None, "")]
+    if len(given) != 1:
+        named = f" (got {', '.join(given)})" if given else ""
+        raise ConfigError(f"give exactly one of {', '.join(SCOPE_KINDS)}{named}")
+    kind = given[0]
+    if kind == "service_account":
+        target = _service_account_ref(str(e[kind]))
+    else:
+        model = {"project": Project, "team": Team, "policy": Policy}[kind]
+        target = _ref(model, e[kind], kind.replace("_", " "))
+    if "usd" not in e:
+        raise ConfigError("missing required field 'usd'")
+    try:
+        usd_nanos = parse_usd(e["usd"])
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    values = {scope: None for scope in SCOPE_KINDS}
+    values.update(
+        {
+            kind: target,
+            "usd_nanos": usd_nanos,
+            "period": _choice(e.get("period", Period.MONTH), Period, "period"),
+            "enabled": _bool(e, "enabled", True),
+        }
+    )
+    _upsert(Budget, {"name": name}, values, report, f"budget {name}")
+
+
+def _service_account_ref(value: str) -> ServiceAccount:
+    """`project/name`, or a name only one project has."""
+    project, _, name = value.rpartition("/")
+    matches = ServiceAccount.objects.filter(name=name)
+    if project:
+        matches = matches.filter(project__name=project)
+    found = list(matches.select_related("project")[:2])
+    if not found:
+        raise ConfigError(f"unknown service account '{value}'")
+    if len(found) > 1:
+        raise ConfigError(f"service account '{value}' is in several projects: write it as project/name")
+    return found[0]
+
+
 def _share(value) -> Decimal:
     """A policy's batch_share: a number from 0 to 1 with at most two decimals."""
     if isinstance(value, bool):
@@ -453,4 +503,5 @@ _APPLIERS = {
     "rate_limits": _rate_limit,
     "host_keys": _host_key,
     "policies": _policy,
+    "budgets": _budget,
 }

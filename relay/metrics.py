@@ -17,6 +17,8 @@ Series (all prefixed `relay_`):
 - worker_slots_busy{worker}                               running items per worker host (lease owner)
 - provider_jobs{kind,status}, provider_job_records{status} gauges, provider batch jobs (batches/provider)
 - batch_records_run_total{executed_by}                    counter, batch records by where they ran
+- budget_spent_usd, budget_reserved_usd, budget_limit_usd {budget,scope,scope_name,period}
+                                                          gauges, spend budgets' current period (usage/budgets.py)
 - webhook_deliveries{outcome}, webhook_oldest_undelivered_age_seconds, webhook_endpoints_paused
                                                           gauges, from the webhook outbox (batches/webhooks)
 
@@ -387,6 +389,27 @@ def provider_jobs():
     yield records
 
 
+def budgets():
+    from usage import budgets as spend
+
+    names = ["budget", "scope", "scope_name", "period"]
+    spent = GaugeMetricFamily(
+        "relay_budget_spent_usd", "Billed spend in the budget's current period, USD.", labels=names
+    )
+    reserved = GaugeMetricFamily(
+        "relay_budget_reserved_usd", "Worst cases reserved by batch records in flight, USD.", labels=names
+    )
+    limit = GaugeMetricFamily("relay_budget_limit_usd", "The budget's amount per period, USD.", labels=names)
+    for labels, s, r, lim in spend.metric_rows():
+        values = [labels[n] for n in names]
+        spent.add_metric(values, s)
+        reserved.add_metric(values, r)
+        limit.add_metric(values, lim)
+    yield spent
+    yield reserved
+    yield limit
+
+
 SOURCES = (
     batch_items,
     provider_jobs,
@@ -396,6 +419,7 @@ SOURCES = (
     ratelimit_denials,
     worker_slots,
     webhook_deliveries,
+    budgets,
 )
 
 

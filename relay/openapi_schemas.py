@@ -437,18 +437,36 @@ SCHEMAS = {
                 "type": "array",
                 "items": {
                     "type": "object",
-                    "required": ["name", "scope", "period", "usd", "spent_usd", "reserved_usd", "left_usd"],
+                    "required": [
+                        "name",
+                        "scope",
+                        "period",
+                        "enabled",
+                        "usd",
+                        "spent_usd",
+                        "reserved_usd",
+                        "left_usd",
+                        "period_start",
+                        "period_ends_at",
+                    ],
                     "properties": {
                         "name": STR,
-                        "scope": {"type": "object", "properties": {"kind": STR, "name": STR}},
+                        "scope": {
+                            "type": "object",
+                            "required": ["kind", "name"],
+                            "properties": {
+                                "kind": {"enum": ["project", "team", "service_account", "policy"]},
+                                "name": STR,
+                            },
+                        },
                         "period": {"enum": ["day", "month"]},
                         "enabled": BOOL,
                         **{
                             k: {"type": "string", "description": "USD, a decimal string"}
                             for k in ("usd", "spent_usd", "reserved_usd", "left_usd")
                         },
-                        "period_start": nullable(STR),
-                        "period_ends_at": nullable(STR),
+                        "period_start": STR,
+                        "period_ends_at": STR,
                     },
                     "additionalProperties": True,
                 },

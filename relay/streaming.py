@@ -257,6 +257,7 @@ def _write_events(q: "queue.SimpleQueue") -> None:
 
 
 def _write(event: dict) -> None:
+    from usage import budgets
     from usage.services import record_event
 
     try:
@@ -264,6 +265,12 @@ def _write(event: dict) -> None:
     except Exception:
         _close_broken_connection()
         log.exception("usage event %s of a stream could not be recorded", event.get("request_id"))
+    try:
+        # What the provider reported is billed, however the stream ended: charged to the caller's budgets.
+        budgets.charge_event(event)
+    except Exception:
+        _close_broken_connection()
+        log.exception("request %s: the stream's cost could not be charged to its budgets", event.get("request_id"))
 
 
 def _close_broken_connection() -> None:

@@ -159,6 +159,21 @@ def test_openai_batch_runs_at_the_provider_and_bills_its_batch_price(catalog, pr
     assert UsageEvent.objects.filter(batch_id=str(batch.id)).count() == 3
 
 
+def test_records_run_at_the_provider_count_against_spend_budgets(catalog, provider):
+    from usage import budgets
+    from usage.models import Budget, BudgetPeriod
+
+    budget = Budget.objects.create(name="proj", project=catalog.project, usd_nanos=10**12, period="month")
+    batch = openai_batch(catalog, [chat("a"), chat("b")])
+    drive(batch)
+    billed = sum(e.billed_cost_nano_usd for e in UsageEvent.objects.filter(batch_id=str(batch.id)))
+    start, _ = budgets.period_bounds("month")
+    assert billed > 0
+    assert BudgetPeriod.objects.get(budget=budget, period_start=start).spent_nanos == billed
+    jobs.advance(ProviderJob.objects.get(batch=batch).pk)  # a finished job advanced again charges nothing twice
+    assert BudgetPeriod.objects.get(budget=budget, period_start=start).spent_nanos == billed
+
+
 def test_batch_rates_from_the_pricing_when_set(catalog, provider):
     Pricing.objects.filter(name="p-gpt").update(batch_input_nanos_per_mtok=1_000_000_000, batch_output_nanos_per_mtok=0)
     batch = openai_batch(catalog, [chat("a")])

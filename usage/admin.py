@@ -1,13 +1,20 @@
-"""Usage events in the operator UI: browsable and searchable, never editable.
+"""Usage events in the operator UI: browsable and searchable, never editable. Spend budgets: editable,
+with their current period's account.
 
 An event is a record of what happened (and what was charged); editing or
 deleting one from the admin would falsify history, so the admin is read-only.
 """
 
+import logging
+
+from django import forms
 from django.contrib import admin
 
 from relay.admin_base import ViewOnlyAdmin
-from usage.models import UsageEvent
+from usage import budgets
+from usage.models import Budget, UsageEvent
+
+log = logging.getLogger(__name__)
 
 
 @admin.register(UsageEvent)
@@ -37,3 +44,74 @@ class UsageEventAdmin(ViewOnlyAdmin):
     show_full_result_count = False
 
     deletable = False
+
+
+class BudgetForm(forms.ModelForm):
+    """The limit is typed in USD ("100.00") and kept in nano-USD."""
+
+    usd = forms.CharField(label="USD per period", help_text='An amount in USD, such as "100.00".')
+
+    class Meta:
+        model = Budget
+        fields = ("name", "project", "team", "service_account", "policy", "usd", "period", "enabled")
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.instance.pk is not None:
+            self.initial["usd"] = budgets.usd_text(self.instance.usd_nanos)
+
+    def clean_usd(self):
+        try:
+            return budgets.parse_usd(self.cleaned_data["usd"])
+        except ValueError as exc:
+            raise forms.ValidationError(str(exc)) from None
+
+    def _post_clean(self):
+        if "usd" in self.cleaned_data:
+            self.instance.usd_nanos = self.cleaned_data["usd"]
+        super()._post_clean()
+
+
+@admin.register(Budget)
+class BudgetAdmin(admin.ModelAdmin):
+    form = BudgetForm
+    list_display = ("name", "scope_text", "period", "usd", "spent", "reserved", "left", "ends", "enabled")
+    list_filter = ("period", "enabled")
+    search_fields = ("name",)
+    list_select_related = ("project", "team", "service_account__project", "policy")
+    readonly_fields = ("created_at", "spent", "reserved", "left", "ends")
+
+    def _standing(self, obj):
+        # One account read per row (a short table); memoised on the row for its columns.
+        if not hasattr(obj, "_standing"):
+            obj._standing = budgets.standings([obj])[0] if obj.pk else None
+        return obj._standing
+
+    @admin.display(description="scope")
+    def scope_text(self, obj):
+        kind, _ = obj.scope
+        return f"{kind.replace('_', ' ')} {budgets.scope_name(obj)}"
+
+    @admin.display(description="USD")
+    def usd(self, obj):
+        return budgets.usd_text(obj.usd_nanos)
+
+    @admin.display(description="spent (USD)")
+    def spent(self, obj):
+        s = self._standing(obj)
+        return budgets.usd_text(s.spent_nanos) if s else "-"
+
+    @admin.display(description="reserved (USD)")
+    def reserved(self, obj):
+        s = self._standing(obj)
+        return budgets.usd_text(s.reserved_nanos) if s else "-"
+
+    @admin.display(description="left (USD)")
+    def left(self, obj):
+        s = self._standing(obj)
+        return budgets.usd_text(s.left_nanos) if s else "-"
+
+    @admin.display(description="period ends (UTC)")
+    def ends(self, obj):
+        s = self._standing(obj)
+        return s.period_ends_at.strftime("%Y-%m-%d %H:%M") if s else "-"

@@ -22,6 +22,8 @@ from django.db import models
 from django.db.models import Q
 from django.utils import timezone
 
+from relay.generation import CatalogQuerySet
+
 
 class Source(models.TextChoices):
     LIVE = "live"
@@ -109,3 +111,114 @@ class UsageEvent(models.Model):
     @property
     def total_tokens(self) -> int:
         return self.input_tokens + self.output_tokens + self.cache_read_tokens + self.cache_write_tokens
+
+
+# --- spend budgets (usage/budgets.py keeps the accounts) ------------------------------------------
+
+
+class Period(models.TextChoices):
+    DAY = "day"
+    MONTH = "month"
+
+
+class ScopeKind(models.TextChoices):
+    PROJECT = "project"
+    TEAM = "team"
+    SERVICE_ACCOUNT = "service_account"
+    POLICY = "policy"
+
+
+SCOPE_KINDS = tuple(k.value for k in ScopeKind)
+
+
+def _exactly_one_scope() -> Q:
+    one = Q()
+    for kind in SCOPE_KINDS:
+        present = Q(**{f"{kind}__isnull": False})
+        for other in SCOPE_KINDS:
+            if other != kind:
+                present &= Q(**{f"{other}__isnull": True})
+        one = present if not one else one | present
+    return one
+
+
+class Budget(models.Model):
+    """At most `usd_nanos` of billed cost per period (UTC day, or UTC month from the 1st) for one scope.
+
+    Budgets are read on every live request, so they are cached like the catalog: writes bump the
+    catalog generation (CatalogQuerySet here, post_save/post_delete in usage.apps)."""
+
+    name = models.SlugField(max_length=100, unique=True)
+    project = models.ForeignKey("relay.Project", null=True, blank=True, on_delete=models.CASCADE, related_name="+")
+    team = models.ForeignKey("relay.Team", null=True, blank=True, on_delete=models.CASCADE, related_name="+")
+    service_account = models.ForeignKey(
+        "relay.ServiceAccount", null=True, blank=True, on_delete=models.CASCADE, related_name="+"
+    )
+    policy = models.ForeignKey("policies.Policy", null=True, blank=True, on_delete=models.CASCADE, related_name="+")
+    usd_nanos = models.BigIntegerField(help_text="The limit in nano-USD (1 USD = 1,000,000,000).")
+    period = models.CharField(max_length=8, choices=Period.choices, default=Period.MONTH)
+    enabled = models.BooleanField(default=True)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    objects = CatalogQuerySet.as_manager()  # bulk writes bump the generation the budget cache follows
+
+    class Meta:
+        ordering = ["name"]
+        constraints = [
+            models.CheckConstraint(
+                condition=_exactly_one_scope(),
+                name="budget_exactly_one_scope",
+                violation_error_message=(
+                    "A budget has exactly one scope: a project, a team, a service account or a policy."
+                ),
+            ),
+            models.CheckConstraint(condition=Q(usd_nanos__gte=0), name="budget_usd_not_negative"),
+            models.CheckConstraint(condition=Q(period__in=[p.value for p in Period]), name="budget_period_valid"),
+        ]
+
+    def __str__(self):
+        return self.name
+
+    @property
+    def scope(self) -> tuple[str, int]:
+        for kind in SCOPE_KINDS:
+            value = getattr(self, f"{kind}_id")
+            if value is not None:
+                return kind, value
+        raise ValueError(f"budget {self.name} has no scope")
+
+
+class BudgetPeriod(models.Model):
+    """A budget's account for one period: what was spent (billed cost settled) and what is reserved
+    (batch records' worst cases in flight). Changed only by single conditional UPDATEs (usage/budgets.py)."""
+
+    budget = models.ForeignKey(Budget, on_delete=models.CASCADE, related_name="periods")
+    period_start = models.DateTimeField()
+    spent_nanos = models.BigIntegerField(default=0)
+    reserved_nanos = models.BigIntegerField(default=0)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["budget", "period_start"], name="budget_period_unique"),
+            models.CheckConstraint(condition=Q(spent_nanos__gte=0), name="budget_spent_not_negative"),
+            models.CheckConstraint(condition=Q(reserved_nanos__gte=0), name="budget_reserved_not_negative"),
+        ]
+
+    def __str__(self):
+        return f"{self.budget_id}@{self.period_start:%Y-%m-%d}"
+
+
+class BudgetHold(models.Model):
+    """One reservation against one budget period, until it is settled or `expires_at` passes (a process
+    that died between reserve and settle): usage/budgets.reclaim_expired gives expired ones back."""
+
+    period = models.ForeignKey(BudgetPeriod, on_delete=models.CASCADE, related_name="holds")
+    nanos = models.BigIntegerField()
+    expires_at = models.DateTimeField()
+
+    class Meta:
+        indexes = [models.Index(fields=["expires_at"], name="budget_hold_expires")]
+        constraints = [models.CheckConstraint(condition=Q(nanos__gte=0), name="budget_hold_not_negative")]
+
+    def __str__(self):
+        return f"{self.nanos} on {self.period_id} until {self.expires_at:%Y-%m-%d %H:%M}"

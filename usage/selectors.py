@@ -149,3 +149,26 @@ def _summary_row(group_by: str, row: dict) -> dict:
         "cost_nano_usd": int(row["cost"] or 0),
         "unpriced": row["unpriced"],
     }
+
+
+# --- spend budgets ----------------------------------------------------------------------------------
+
+
+def visible_budgets(principal: Principal | None) -> list:
+    """The budgets a caller may see, by name: every one for the operator (`principal` None), else those
+    governing the caller (its project's, team's, service account's and policy's), enabled or not."""
+    from usage.models import Budget
+
+    qs = Budget.objects.select_related("project", "team", "service_account__project", "policy").order_by("name")
+    if principal is None:
+        return list(qs)
+    scope = Q(pk__in=[])
+    if principal.project_id is not None:
+        scope |= Q(project_id=principal.project_id)
+    if principal.team_id is not None:
+        scope |= Q(team_id=principal.team_id)
+    if principal.policy_id is not None:
+        scope |= Q(policy_id=principal.policy_id)
+    if principal.principal_kind == "serviceaccount":
+        scope |= Q(service_account_id=principal.principal_id)
+    return list(qs.filter(scope))

@@ -2,9 +2,10 @@
 
 from django.urls import path
 
-from usage.api.views import EventListView, SummaryView
+from usage.api.views import BudgetListView, EventListView, SummaryView
 
 urlpatterns = [
     path("events", EventListView.as_view(), name="usage-events"),
     path("summary", SummaryView.as_view(), name="usage-summary"),
+    path("budgets", BudgetListView.as_view(), name="usage-budgets"),
 ]

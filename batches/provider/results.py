@@ -17,6 +17,7 @@ from batches.outcomes import Code
 from batches.provider import placement
 from relay import scrub
 from relay.models import BatchMode
+from usage import budgets
 from usage.models import UsageEvent
 from usage.pricing import cost_nano_usd, discounted, provider_batch_cost
 from usage.services import event_row, record_events
@@ -83,8 +84,23 @@ def _apply(job, context, chunk: list) -> int:
             rows.append((item_id, ItemState.CANCELLED, "", None, error, "", code, ""))
     with transaction.atomic():
         changed = _update(job, rows, now)
-        _record_events([events[item_id] for item_id in changed if item_id in events])
+        written = [events[item_id] for item_id in changed if item_id in events]
+        _record_events(written)
+        _charge_budgets(written)
     return len(changed)
+
+
+def _charge_budgets(events: list[dict]) -> None:
+    """The chunk's billed cost to the spend budgets of its batch (usage/budgets.py), in one charge: every
+    event of a job shares its batch's attribution. A provider-run record reserves nothing beforehand (it
+    is never claimed; its cost is known only from the provider's results), so a budget may be overshot by
+    the records of jobs in flight when it ran out (docs/budgets.md)."""
+    total = 0
+    for event in events:
+        billed = event.get("billed_cost_nano_usd")
+        total += (event.get("cost_nano_usd") if billed is None else billed) or 0
+    if total:
+        budgets.charge_event({**events[0], "billed_cost_nano_usd": total})
 
 
 def _update(job, rows: list, now) -> list:

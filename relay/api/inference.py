@@ -7,6 +7,7 @@ import time
 import uuid6
 from django.conf import settings
 from django.http import HttpResponse, StreamingHttpResponse
+from django.utils import timezone
 from rest_framework.negotiation import BaseContentNegotiation
 from rest_framework.views import APIView
 
@@ -15,6 +16,7 @@ from relay.api.authentication import LiveCredentialAuthentication
 from relay.edge import stamp_request_id
 from relay.errors import AnthropicError, RelayError, is_anthropic_path
 from relay.http import parse_json_object, read_body
+from usage import budgets
 from usage.services import record_event
 
 logger = logging.getLogger(__name__)
@@ -28,6 +30,10 @@ class _NoNegotiation(BaseContentNegotiation):
         return renderers[0], renderers[0].media_type
 
 
+# Routes the providers do not bill: a spent budget does not refuse them.
+_FREE_PATHS = frozenset({"/v1/messages/count_tokens"})
+
+
 class InferenceView(APIView):
     authentication_classes = [LiveCredentialAuthentication]
     content_negotiation_class = _NoNegotiation
@@ -36,6 +42,14 @@ class InferenceView(APIView):
     def post(self, request, *args, **kwargs):
         principal = request.user
         body = parse_json_object(read_body(request._request, settings.RELAY_MAX_REQUEST_BYTES))
+        # A spent budget refuses the call before it costs anything: 429 budget_exceeded, in the route's
+        # envelope (a RelayError; relay.errors picks Anthropic's on /v1/messages). No query without budgets.
+        if self.upstream_path not in _FREE_PATHS:
+            try:
+                budgets.check(principal, None)
+            except budgets.BudgetExceeded as exc:
+                _record_refusal(request, principal, body, exc)
+                raise
         streamed = body.get("stream") is True
         client_counts_usage = True
         cancel = None
@@ -103,6 +117,32 @@ def _record(event: dict) -> None:
     except Exception:
         # HttpResponse.close() swallows a closer's exception: say it, never lose it silently.
         logger.exception("usage event %s could not be recorded", event.get("request_id"))
+    charge_budgets(event)
+
+
+def _record_refusal(request, principal, body: dict, exc: RelayError) -> None:
+    """A request refused before any call still leaves its usage event (status 0, the refusal's kind), as the
+    pipeline's own refusals do: the operator sees budget refusals in the usage API."""
+    request_id = getattr(request._request, "relay_request_id", None) or str(uuid6.uuid7())
+    _record(
+        {
+            "request_id": request_id,
+            "source": "live",
+            "ts": timezone.now(),
+            "error_kind": exc.code,
+            "error_message": exc.message,
+            "model": str(body.get("model", ""))[:200],
+            **principal.usage_attribution(),
+        }
+    )
+
+
+def charge_budgets(event: dict) -> None:
+    """A live call's billed cost to the budgets governing its caller, once it is answered (usage.budgets)."""
+    try:
+        budgets.charge_event(event)
+    except Exception:
+        logger.exception("request %s: its cost could not be charged to its budgets", event.get("request_id"))
 
 
 def inference_urls():

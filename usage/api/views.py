@@ -1,4 +1,4 @@
-"""Usage API (control plane): `GET /api/usage/events` and `GET /api/usage/summary`.
+"""Usage API (control plane): `GET /api/usage/events`, `GET /api/usage/summary` and `GET /api/usage/budgets`.
 
 Views validate the query, call one selector and serialize. Every malformed
 value is a 400 in the product's envelope rather than being ignored, so a bad
@@ -31,7 +31,7 @@ from relay.api.authentication import (
 )
 from relay.durations import parse_duration
 from relay.errors import bad_request, quoted
-from usage import selectors
+from usage import budgets, selectors
 from usage.models import UsageEvent
 from usage.selectors import DIMENSIONS, EventFilters, Viewer
 
@@ -76,6 +76,15 @@ class SummaryView(UsageView):
             raise bad_request(f"group_by must be one of {', '.join(DIMENSIONS)}")
         rows = selectors.usage_summary(viewer, filters, group_by)
         return Response({"rows": rows, "from": _iso(filters.start), "to": _iso(filters.end)})
+
+
+class BudgetListView(UsageView):
+    """Each spend budget the caller may see, with its current period's account (docs/budgets.md)."""
+
+    def get(self, request):
+        principal = None if request.user is OPERATOR else request.user
+        rows = budgets.standings(selectors.visible_budgets(principal))
+        return Response({"budgets": [budget_json(s) for s in rows]})
 
 
 # --- who is asking ------------------------------------------------------------
@@ -240,4 +249,22 @@ def event_json(e: UsageEvent, surfaces: dict | None = None) -> dict:
         "billed_cost_nano_usd": e.billed_cost_nano_usd,
         # Where it ran: "relay", or "provider" (a batch record sent to the provider's batch API).
         "executed_by": e.executed_by,
+    }
+
+
+def budget_json(s: "budgets.Standing") -> dict:
+    b = s.budget
+    kind, _ = b.scope
+    return {
+        "name": b.name,
+        "scope": {"kind": kind, "name": budgets.scope_name(b)},
+        "period": b.period,
+        "enabled": b.enabled,
+        # Money as exact decimal strings of USD (nano-USD precision, at least two decimals).
+        "usd": budgets.usd_text(b.usd_nanos),
+        "spent_usd": budgets.usd_text(s.spent_nanos),
+        "reserved_usd": budgets.usd_text(s.reserved_nanos),
+        "left_usd": budgets.usd_text(s.left_nanos),
+        "period_start": _iso(s.period_start),
+        "period_ends_at": _iso(s.period_ends_at),
     }
