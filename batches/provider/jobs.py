@@ -251,10 +251,10 @@ def _send(job: ProviderJob) -> None:
         return
     context = _context(job, pick=True)
     if context is None or context.route is None or context.route.binding.id != job.binding_id:
-        _release(job, "catalog_changed")  # the record no longer routes to this binding: the relay runs it
+        _release(job, placement.NOTE_CATALOG_CHANGED)  # the record no longer routes to this binding: the relay runs it
         return
     if context.binding.batch_mode == BatchMode.RELAY:
-        _release(job, "catalog_changed")
+        _release(job, placement.NOTE_CATALOG_CHANGED)
         return
     if context.target is None:
         _wait(job, _backoff(job.create_attempts), "no usable host key (breakers open or secrets unreadable)")

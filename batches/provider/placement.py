@@ -42,6 +42,9 @@ NOTE_TOOL_CONFIG = "tool_config"
 NOTE_ENDPOINT = "endpoint"
 NOTE_CAPACITY = "provider_capacity"
 NOTE_EXPIRED = "provider_expired"
+NOTE_CATALOG_CHANGED = "catalog_changed"  # the record no longer routes to the job's binding
+# Every note an item's `placement` may hold (the admin's filter lists these).
+NOTES = (NOTE_TOOL_CONFIG, NOTE_ENDPOINT, NOTE_CAPACITY, NOTE_EXPIRED, NOTE_CATALOG_CHANGED)
 
 
 @dataclass(frozen=True)
