@@ -41,6 +41,20 @@ def hand_off_at(task: str, obj_id, when) -> None:
         log.warning("could not schedule %s for %s", task, obj_id, exc_info=True)
 
 
+def hand_off_once_at(task: str, obj_id, when) -> bool:
+    """`hand_off_at`, once per (task, object, moment) however many sweeps ask for it (deduplicated in Redis
+    until a minute past `when`). True if it was sent now. A lost message is the sweeper's to make up for."""
+    delay = max(0.0, (when - timezone.now()).total_seconds())
+    try:
+        key = f"relay:at:{task}:{obj_id}:{int(when.timestamp() * 1000)}"
+        if not get_redis().set(key, 1, nx=True, ex=int(delay) + 60):
+            return False
+    except redis.RedisError:
+        return False
+    hand_off_at(task, obj_id, when)
+    return True
+
+
 def redispatch(task: str, batch_id) -> None:
     """At most one re-sent control message per batch per lease period, however often the sweeper runs."""
     try:

@@ -32,6 +32,9 @@ class Code(models.TextChoices):
     INVALID_REQUEST = "invalid_request"
     REQUEST_TOO_LARGE = "request_too_large"
     PROJECT_UNAVAILABLE = "project_unavailable"
+    # A spend budget of the batch's project, team, service account or policy is spent (usage/budgets.py):
+    # a wait until its period ends where the surface waits for capacity, else the item's failure.
+    BUDGET_EXCEEDED = "budget_exceeded"
     # The item ran longer than RELAY_BATCH_ITEM_DEADLINE_SECONDS.
     TIMEOUT = "timeout"
     # Decided by the batch runner before the pipeline.

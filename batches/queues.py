@@ -15,4 +15,6 @@ TASK_ROUTES = {
     "batches.tasks.*": {"queue": CONTROL_QUEUE},
     # Webhook deliveries and their sweep (batches/webhooks/tasks.py): control work too.
     "batches.webhooks.tasks.*": {"queue": CONTROL_QUEUE},
+    # /metrics' usage rollup (relay/tasks.py).
+    "relay.tasks.*": {"queue": CONTROL_QUEUE},
 }

@@ -30,6 +30,7 @@ def sweep() -> dict:
     discarded = _step("discard", lambda: finish.discard_lost_items(now, _record_lost))
     _step("cancel orphans", stop.cancel_orphans)  # cancelled batches whose running items died
     expired = _step("expire", lambda: stop.expire_due(now))
+    _step("schedule expiries", lambda: schedule_expiries(now))
     _step("lost validations", lambda: _redispatch_lost_validations(stale))
     _step("unfinished batches", lambda: _finish_unfinished(stale))
     _step("provider jobs", provider_jobs.due_jobs)  # a job's lost message or run-out lease (batches/provider/)
@@ -44,6 +45,31 @@ def _step(name: str, fn):
         log.exception("sweep step %r failed; the next sweep retries it", name)
         connection.close_if_unusable_or_obsolete()
         return 0
+
+
+# How far ahead a sweep schedules the windows that close: more than two sweeps, so that every window's expiry
+# is scheduled by a sweep before it closes, even when one sweep is late or fails.
+def expiry_horizon() -> float:
+    return 3 * settings.RELAY_BATCH_SWEEP_SECONDS + 1.0
+
+
+def schedule_expiries(now) -> int:
+    """An expiry for each window that closes before the horizon, delivered on the control queue at the moment it
+    closes (`expire_on_time`): a batch is expired at its `expires_at`, not at the first sweep after it. Each is
+    sent once (dispatch.hand_off_once_at); `expire_due` above stays the fallback for a lost message."""
+    until = now + timezone.timedelta(seconds=expiry_horizon())
+    return sum(dispatch.hand_off_once_at("expire_batch", batch_id, at) for batch_id, at in stop.expiring(until))
+
+
+def expire_on_time(batch_id) -> bool:
+    """The expiry scheduled for a batch's window (`schedule_expiries`): close it now if it is due; when its
+    `expires_at` moved later meanwhile, schedule it again for then. True if it closed now."""
+    result = stop.expire_one(batch_id, timezone.now())
+    if result is None or result is True:
+        return bool(result)
+    if (result - timezone.now()).total_seconds() <= expiry_horizon():
+        dispatch.hand_off_once_at("expire_batch", batch_id, result)
+    return False
 
 
 def _redispatch_lost_validations(stale) -> int:

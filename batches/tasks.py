@@ -24,6 +24,12 @@ def wake() -> int:
     return dispatch.wake_workers()
 
 
+# A batch's window closes (batches.sweeper.schedule_expiries sends it for the moment of its `expires_at`).
+@shared_task(name="batches.tasks.expire_batch", ignore_result=True, acks_late=True)
+def expire_batch(batch_id: str) -> bool:
+    return sweeper.expire_on_time(batch_id)
+
+
 # The OpenAI surface's two background steps. Both are idempotent (they act only
 # on a batch in the expected status, holding its row), so a duplicate or a
 # message re-sent by the sweeper is harmless.

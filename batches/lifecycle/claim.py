@@ -5,7 +5,7 @@ import logging
 
 from django.conf import settings
 from django.db import connection
-from django.db.models import Count
+from django.db.models import Count, Q
 from django.utils import timezone
 
 from batches.lifecycle import finish, sql, stop
@@ -206,6 +206,17 @@ def _claim_embedded(owner: str, now, batch_ids=None) -> Item | None:
         batch_started(batch_id)
         return item
     return None
+
+
+def hold(batch_id, ids, until) -> int:
+    """Available items of a batch wait until `until` (a host's capacity their records need): their
+    `not_before`, never made earlier than it was, so the claim passes them over until then. The state
+    does not change (an item waits in `available`, design §4)."""
+    return (
+        Item.objects.filter(batch_id=batch_id, pk__in=list(ids), state=St.AVAILABLE)
+        .filter(Q(not_before__isnull=True) | Q(not_before__lt=until))
+        .update(not_before=until)
+    )
 
 
 def batch_started(batch_id) -> None:

@@ -275,3 +275,33 @@ def expire_due(now) -> int:
         due = Batch.objects.filter(rules.expirable, surface=surface, expires_at__lte=now)
         closed += sum(rules.expire(batch_id, now) for batch_id in due.values_list("id", flat=True)[:EXPIRE_PER_SWEEP])
     return closed
+
+
+def expiring(until, limit: int = EXPIRE_PER_SWEEP) -> list:
+    """(id, expires_at) of the open batches whose window closes by `until`, surface by surface: what the
+    sweeper schedules an expiry for, at the moment each window closes (batches/sweeper.py)."""
+    found = []
+    for surface, rules in SURFACES.items():
+        if rules.expire is None:
+            continue
+        due = Batch.objects.filter(rules.expirable, surface=surface, expires_at__lte=until)
+        found += list(due.values_list("id", "expires_at")[:limit])
+    return found
+
+
+def expire_one(batch_id, now):
+    """Close one batch's window if it closed by `now`: True if this closed it; its `expires_at` when that is
+    still ahead (moved since it was scheduled); None when there is nothing to close (ended, expired already,
+    a surface without a window) or a validation holds the row (the sweep's `expire_due` retries)."""
+    row = Batch.objects.filter(pk=batch_id).values_list("surface", "expires_at").first()
+    if row is None:
+        return None
+    surface, expires_at = row
+    rules = SURFACES[surface]
+    if rules.expire is None or expires_at is None:
+        return None
+    if not Batch.objects.filter(rules.expirable, pk=batch_id, surface=surface).exists():
+        return None
+    if expires_at > now:
+        return expires_at
+    return rules.expire(batch_id, now) or None

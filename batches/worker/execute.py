@@ -18,6 +18,7 @@ from batches.models import Attempt, Batch, Item, ItemState, Shape, Surface
 from batches.outcomes import Code
 from batches.tools import config as tools_config
 from batches.tools.loop import run_tool_loop
+from batches.worker import waits
 from batches.worker.bookkeeper import Heartbeat
 from relay import auth, catalog, jsonguard, pipeline
 from relay.errors import RelayError
@@ -69,7 +70,7 @@ def run_item(item: Item, *, check_done: bool = True, hand_over=None) -> Future |
             return _finish(item, state, run=run, check_done=check_done, **fields)
 
         if hand_over is not None:
-            write.pairs_with_claim = True  # the bookkeeper may send it with the next claim (_run_pair)
+            write.pairs_with_claim = not check_done  # the bookkeeper may send it with the next claim (_run_pair)
             return hand_over(write)
         write()
         return None
@@ -77,8 +78,13 @@ def run_item(item: Item, *, check_done: bool = True, hand_over=None) -> Future |
     if hb.stop_reason == "lease_lost":
         log.warning("item %s lost its lease; dropping this attempt's result", item.pk)
         return None
-    if hb.stop_reason == "cancelled" and (run.failure or (outcome and not outcome.ok)):
-        return end(ItemState.CANCELLED, code=Code.BATCH_CANCELLED, error=stop.CANCELLED_ERROR)
+    if hb.stop_reason == "cancelled":
+        # Its batch was cancelled or its window closed: this may be the batch's last running record, whose
+        # end finalizes the batch. Checked as soon as this write commits, not by this slot's claim after
+        # next (which, with every slot busy on long records, comes a whole record later).
+        check_done = True
+        if run.failure or (outcome and not outcome.ok):
+            return end(ItemState.CANCELLED, code=Code.BATCH_CANCELLED, error=stop.CANCELLED_ERROR)
     if run.failure is not None:
         code, error, error_body = run.code, run.failure, ""
     elif outcome.ok:
@@ -91,21 +97,60 @@ def run_item(item: Item, *, check_done: bool = True, hand_over=None) -> Future |
         error = f"batch item: {outcome.error.message}" if outcome.error else "batch item: failed"
         error_body = ""
     status = outcome.status if outcome is not None and outcome.origin == "upstream" else None
-    decision = retrying.decide(batch, item, code, status, outcome.retry_after if outcome is not None else None)
+    hint = run.wait if run.wait is not None else retrying.wait_hint(outcome)
+    decision = retrying.decide(batch, item, code, status, hint)
     if decision.action == retrying.FINISH:
         return end(ItemState.DISCARDED, code=code, error=error, error_body=error_body)
     not_before = timezone.now() + timezone.timedelta(seconds=decision.delay)
     # A wait decided before any provider was called (the policy's own limit, every key benched) is no attempt.
     # (Made here, not handed over: a release is rare, and it schedules a wake-up through the broker.)
     attempt = _attempt(item, run, decision.action, code=code, error=error, error_body=error_body)
-    finish.release_item(
+    waiting = decision.scope if decision.action == retrying.WAIT else ""
+    route = _waiting_route(batch, run) if waiting == retrying.ROUTE else None
+    if waiting == retrying.ROUTE and route is None:
+        waiting = retrying.BATCH  # every record of the batch goes to that host: the batch waits
+    released = finish.release_item(
         item,
         not_before,
         attempt.save if attempt is not None else nothing,
         counts=decision.action == retrying.RETRY,
-        pause_batch=decision.action == retrying.WAIT,
+        # Only a wait every record shares pauses the batch (its policy's limit, its budget, the one host all
+        # its records go to); a host's wait in a batch of several holds that host's records (worker/waits.py).
+        pause_batch=waiting == retrying.BATCH,
     )
+    if released and route is not None:
+        _hold_route(batch, item, route, not_before)
     return None
+
+
+def _waiting_route(batch: Batch, run: "_Run"):
+    """(host, policy, snapshot) of a wait for a host's keys, when the batch also has records bound elsewhere;
+    None when it concerns the whole batch (all its records go to that host) or cannot be told apart."""
+    host = run.host or (run.outcome.event.get("host") if run.outcome is not None else "")
+    if not host or not batch.policy_id:
+        return None
+    snapshot = catalog.held()
+    policy = catalog.policy(batch.policy_id, snapshot)
+    if policy is None:
+        return None
+    try:
+        if waits.only_host(batch.id, host, policy, snapshot):
+            return None
+    except Exception:  # the inputs could not be read: wait as a batch, as before holds by host existed
+        log.warning("batch %s: could not tell the hosts of its records", batch.id, exc_info=True)
+        return None
+    return host, policy, snapshot
+
+
+def _hold_route(batch: Batch, item: Item, route, until) -> None:
+    """A wait for the keys of the record's host: remembered for every record bound there, and held by the
+    batch's next ones (waits.py)."""
+    host, policy, snapshot = route
+    waits.remember(batch.policy_id, host, until)
+    try:
+        waits.hold_route(item, host, until, policy, snapshot)
+    except Exception:  # a shortcut only: each record claimed meanwhile learns the wait by itself
+        log.warning("batch %s: could not hold the records bound for host %s", batch.id, host, exc_info=True)
 
 
 def nothing() -> None:
@@ -126,6 +171,8 @@ class _Run:
     code: str = ""
     events: list[dict] | None = None
     started_at: object = None  # when the attempt began (set by run_item)
+    wait: float | None = None  # seconds until the record's host has capacity, when known before the call
+    host: str = ""  # the host whose wait it met before the call
 
 
 class _CredentialGone(RelayError):
@@ -180,6 +227,10 @@ def _execute(batch: Batch, item: Item, principal, deadline: float, hb: Heartbeat
             failure="batch: stream is not supported in batch items; the response is stored whole (unset stream)",
             code=Code.STREAMING_UNSUPPORTED,
         )
+    # A batch that waits for capacity (a batch that does not still meets the provider, and fails as it answers).
+    waited = _host_wait(policy, body, snapshot) if batch.wait_for_capacity else None
+    if waited is not None:
+        return waited
     path = batch.endpoint or SHAPE_PATH[batch.inbound_shape]  # an OpenAI batch calls its endpoint
 
     def invoke(model_body: dict, round_no: int) -> pipeline.Outcome:
@@ -208,6 +259,24 @@ def _execute(batch: Batch, item: Item, principal, deadline: float, hb: Heartbeat
     if batch.surface == Surface.OPENAI:
         return _unless_gone(_execute_openai_record(body, item, path, invoke, deadline, hb))
     return _unless_gone(_checked(invoke(body, 0)))
+
+
+def _host_wait(policy, body: dict, snapshot) -> _Run | None:
+    """The record's host is known to be out of capacity (another record met the wait: waits.py): it waits
+    too, without a key pick, a provider call or an attempt."""
+    host = waits.host_of(policy, body, snapshot)
+    until = waits.waiting_until(policy.id, host)
+    if until is None:
+        return None
+    seconds = (until - timezone.now()).total_seconds()
+    if seconds <= 0:
+        return None
+    return _Run(
+        failure=f"batch: every host key of {host} is out of capacity for {seconds:.1f}s",
+        code=Code.NO_KEYS,
+        wait=seconds,
+        host=host,
+    )
 
 
 def _unless_gone(run: _Run) -> _Run:
