@@ -14,6 +14,7 @@ from batches.models import Attempt, Batch, BatchStatus, Surface
 from batches.outcomes import Code
 from batches.provider import jobs as provider_jobs
 from batches.worker.execute import batch_of, event_without_dispatch
+from usage import budgets
 from usage.services import record_event
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,7 @@ def sweep() -> dict:
     _step("lost validations", lambda: _redispatch_lost_validations(stale))
     _step("unfinished batches", lambda: _finish_unfinished(stale))
     _step("provider jobs", provider_jobs.due_jobs)  # a job's lost message or run-out lease (batches/provider/)
+    _step("budget holds", budgets.reclaim_expired)  # reservations a dead worker never settled (usage/budgets.py)
     woken = _step("wake", dispatch.wake_workers)
     return {"rescued": rescued, "discarded": discarded, "expired": expired, "woken": woken}
 

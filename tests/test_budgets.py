@@ -307,6 +307,16 @@ def test_reclaim_expired_gives_back_every_dead_hold(catalog, principal):
     assert account(b) == (0, 0) and not BudgetHold.objects.exists()
 
 
+def test_the_sweeper_gives_back_dead_holds(catalog, principal):
+    from batches import sweeper
+
+    b = make("p", usd=10_000, project=catalog.project)
+    budgets.reserve(principal, None, 1000)
+    BudgetHold.objects.update(expires_at=timezone.now() - timedelta(seconds=1))
+    sweeper.sweep()
+    assert account(b) == (0, 0) and not BudgetHold.objects.exists()
+
+
 # --- the worst case -----------------------------------------------------------------------------
 
 
