@@ -5,9 +5,21 @@ host key starts a fresh breaker. The state is one hash per key,
 
     relay:breaker:{<key_hash>}         state, open_until (ms), step, reason; TTL 24 h
     relay:breaker:{<key_hash>}:probe   held by the single half-open probe (SET NX PX)
+    relay:breaker:{<key_hash>}:suspects  principals whose requests the key failed lately
+                                       (sorted set: principal -> ms of its last such failure)
 
 and every transition is one Lua script using Redis server time, so processes on
 different machines agree on when a cooldown ends.
+
+Tenants are isolated: a 5xx or a 403 may be about the request (one tenant's prompt
+the provider cannot serve), not the key. Such a failure is scored against the
+principal that saw it, and the key's breaker opens for everyone only once two or
+more distinct principals saw one within `SUSPECT_WINDOW_MS`. A success by anyone
+clears the scores. So one tenant hammering the provider with requests it refuses,
+or one batch's records it refuses every time, never benches a key the others need.
+Failures that are about the key or the wire open at once, whoever saw them: a 401
+(the key's credential), a network error after connecting, a long 429. A failure
+reported without a principal (an operator, a test) counts as everyone's.
 
 Cooldowns follow the product: a 401 opens for 60 s, then 300, 900 and 3600 s on
 repeats; a 403, a 5xx or a network error after connecting backs off 2 s doubling
@@ -25,14 +37,20 @@ ladder, so eight concurrent 401s do not jump straight to an hour.
 from __future__ import annotations
 
 import enum
+import logging
 
 from policies import lua
 from relay.redis import get_redis
+
+log = logging.getLogger(__name__)
 
 AUTH_LADDER_S = (60, 300, 900, 3600)
 BACKOFF_LADDER_S = (2, 4, 8, 16, 32, 60)
 # A 429 asking for at most this long is ordinary pacing, not a reason to bench the key.
 RATE_LIMIT_SHORT_MAX_S = 5
+# Two principals' 5xx/403 failures within this long open the key for everyone (the top of the
+# backoff ladder: an incident the breaker would still be backing off from).
+SUSPECT_WINDOW_MS = BACKOFF_LADDER_S[-1] * 1000
 # A probe that never reports (its process died) frees the key after this long.
 PROBE_TTL_MS = 60_000
 STATE_TTL_MS = 24 * 3600 * 1000
@@ -87,42 +105,67 @@ return 0
 """
 )
 
+# Open (or reopen) a breaker: a fixed cooldown (ms, '' to use the ladder) or the next rung of
+# `ladder` (ms). A failure while the breaker is open and cooling down is the same incident: it may
+# lengthen the cooldown but does not climb the ladder. Any report frees the probe.
+_OPEN_FN_LUA = """
+local function breaker_open(state_key, probe_key, reason, fixed, state_ttl, ladder, now)
+  local s = redis.call('HMGET', state_key, 'state', 'open_until', 'step')
+  local open_until = tonumber(s[2]) or 0
+  local step = tonumber(s[3]) or 0
+  local cooling = s[1] == 'open' and now < open_until
+  local cooldown
+  if fixed ~= '' then
+    cooldown = tonumber(fixed)
+  else
+    if cooling then step = math.max(step, 1) else step = step + 1 end
+    step = math.min(step, #ladder)
+    cooldown = tonumber(ladder[step])
+  end
+  local fields = {'state', 'open', 'step', step}
+  if not cooling or now + cooldown > open_until then
+    open_until = now + cooldown
+    fields[#fields + 1] = 'open_until'
+    fields[#fields + 1] = open_until
+    fields[#fields + 1] = 'reason'
+    fields[#fields + 1] = reason
+  end
+  redis.call('HSET', state_key, unpack(fields))
+  redis.call('PEXPIRE', state_key, math.max(tonumber(state_ttl), open_until - now))
+  redis.call('DEL', probe_key)
+end
+"""
+
 # KEYS: state, probe. ARGV: reason, fixed cooldown ms ('' to use the ladder),
 # state TTL ms, then the ladder in ms.
 _FAILURE_LUA = (
     _LUA_NOW
+    + _OPEN_FN_LUA
+    + """
+breaker_open(KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3], {unpack(ARGV, 4)}, now_ms())
+return 1
+"""
+)
+
+# A failure that may be the request's rather than the key's, scored against the principal that saw
+# it. KEYS: state, probe, suspects. ARGV: principal, window ms, reason, state TTL ms, ladder in ms.
+# Returns 1 when the breaker opened (two or more principals within the window), else 0.
+_SCORE_LUA = (
+    _LUA_NOW
+    + _OPEN_FN_LUA
     + """
 local now = now_ms()
-local s = redis.call('HMGET', KEYS[1], 'state', 'open_until', 'step')
-local open_until = tonumber(s[2]) or 0
-local step = tonumber(s[3]) or 0
-local cooling = s[1] == 'open' and now < open_until
-
-local cooldown
-if ARGV[2] ~= '' then
-  cooldown = tonumber(ARGV[2])
-else
-  local rungs = #ARGV - 3
-  if cooling then
-    step = math.max(step, 1)
-  else
-    step = step + 1
-  end
-  step = math.min(step, rungs)
-  cooldown = tonumber(ARGV[3 + step])
+local window = tonumber(ARGV[2])
+redis.call('ZADD', KEYS[3], now, ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now - window)
+redis.call('PEXPIRE', KEYS[3], window)
+if redis.call('ZCARD', KEYS[3]) < 2 then
+  -- One principal's failures judge its requests, not the key: a probe it held goes back, so the
+  -- next caller (maybe another tenant) answers the question instead.
+  redis.call('DEL', KEYS[2])
+  return 0
 end
-
-local fields = {'state', 'open', 'step', step}
-if not cooling or now + cooldown > open_until then
-  open_until = now + cooldown
-  fields[#fields + 1] = 'open_until'
-  fields[#fields + 1] = open_until
-  fields[#fields + 1] = 'reason'
-  fields[#fields + 1] = ARGV[1]
-end
-redis.call('HSET', KEYS[1], unpack(fields))
-redis.call('PEXPIRE', KEYS[1], math.max(tonumber(ARGV[3]), open_until - now))
-redis.call('DEL', KEYS[2])
+breaker_open(KEYS[1], KEYS[2], ARGV[3], '', ARGV[4], {unpack(ARGV, 5)}, now)
 return 1
 """
 )
@@ -142,6 +185,11 @@ def _keys(key_hash: str) -> list[str]:
     return [state, f"{state}:probe"]
 
 
+def success_keys(key_hash: str) -> list[str]:
+    """What a success deletes: the state, the probe and the principals' scores."""
+    return [*_keys(key_hash), f"relay:breaker:{{{key_hash}}}:suspects"]
+
+
 def try_acquire(key_hash: str) -> bool:
     """May this caller send a request with the key now?
 
@@ -154,9 +202,9 @@ def try_acquire(key_hash: str) -> bool:
 
 
 def record_success(key_hash: str) -> None:
-    """Close the breaker and reset the ladder; frees the probe."""
+    """Close the breaker, reset the ladder and clear the principals' scores; frees the probe."""
     # A closed breaker at step 0 is the same as no record at all.
-    get_redis().delete(*_keys(key_hash))
+    get_redis().delete(*success_keys(key_hash))
 
 
 def release_probe(key_hash: str) -> None:
@@ -166,21 +214,48 @@ def release_probe(key_hash: str) -> None:
     get_redis().delete(_keys(key_hash)[1])
 
 
-def record_failure(key_hash: str, failure: Failure, retry_after: float | None = None) -> None:
-    """Open (or reopen) the breaker as the failure class dictates.
+# Failures that may be the request's fault rather than the key's: scored per principal.
+SCORED = frozenset({Failure.SERVER, Failure.FORBIDDEN})
 
-    `retry_after` is the upstream's Retry-After in seconds; only 429s use it.
+
+def record_failure(
+    key_hash: str, failure: Failure, retry_after: float | None = None, *, principal: str | None = None
+) -> bool:
+    """Open (or reopen) the breaker as the failure class dictates. Returns whether it opened.
+
+    `retry_after` is the upstream's Retry-After in seconds; only 429s use it. `principal`
+    (`principal_tag()`) is who saw the failure: a 5xx or a 403 opens the key only when another
+    principal saw one too within `SUSPECT_WINDOW_MS`. None: nobody in particular, it opens at once.
     """
     if failure is Failure.UNREACHABLE:
-        return
+        return False
+    if failure in SCORED and principal is not None:
+        args = [principal, SUSPECT_WINDOW_MS, _REASONS[failure], STATE_TTL_MS, *(s * 1000 for s in BACKOFF_LADDER_S)]
+        return bool(lua.run(_SCORE_LUA, success_keys(key_hash), args))
     if failure is Failure.RATE_LIMITED:
         if retry_after is None or retry_after <= RATE_LIMIT_SHORT_MAX_S:
-            return
+            return False
         fixed, ladder = str(round(retry_after * 1000)), ()
     else:
         fixed, ladder = "", AUTH_LADDER_S if failure is Failure.AUTH else BACKOFF_LADDER_S
     args = [_REASONS[failure], fixed, STATE_TTL_MS, *(s * 1000 for s in ladder)]
     lua.run(_FAILURE_LUA, _keys(key_hash), args)
+    return True
+
+
+def principal_tag(principal) -> str:
+    """The tenant identity a failure is scored against (relay.auth.Principal)."""
+    return f"{principal.principal_kind}:{principal.principal_id}"
+
+
+def suspects(key_hash: str) -> list[str]:
+    """The principals whose requests the key failed within the window, oldest first (for operators, tests)."""
+    r = get_redis()
+    sec, usec = r.time()
+    since = sec * 1000 + usec // 1000 - SUSPECT_WINDOW_MS
+    return [
+        m.decode() if isinstance(m, bytes) else m for m in r.zrangebyscore(success_keys(key_hash)[2], since, "+inf")
+    ]
 
 
 def snapshot(key_hash: str) -> dict:

@@ -8,17 +8,25 @@ The cursors live in Redis so every process rotates through the same pool:
     relay:pool_lru:{policy:<id>}:<key_hash>   last use in ms of Redis server time, TTL 30 days
 
 The pipeline uses `pick()`: the inbound limit, this order, each key's breaker and tier
-limit and the LRU mark in ONE script (one round trip; fail-over costs one more). That
+limit, the provider's learned request and token quotas (policies.provider_limits), live
+first's marks and shares (policies.livefirst) and the LRU mark in ONE script (one round
+trip; fail-over costs one more). That
 script touches keys under several hash tags (the policy's, each key's breaker, each host
 key's limit), so it needs one Redis server, as deployed here, not a Redis Cluster.
 """
 
 from __future__ import annotations
 
-from policies import breaker, lua, provider_limits, ratelimit
+import logging
+import math
+
+from policies import breaker, livefirst, lua, provider_limits, ratelimit
 from policies.models import KeySelection
 from relay import catalog
 from relay.redis import get_redis
+from usage.tokens import Tokens
+
+log = logging.getLogger(__name__)
 
 CURSOR_TTL_S = 30 * 24 * 3600
 
@@ -70,55 +78,107 @@ def mark_used(policy_id: int, key_hash: str) -> None:
 
 # --- one round trip per decision -----------------------------------------------------------------
 
-# The whole decision of `pick()` in one script: the catalog generation the caller routed
-# with, the inbound limit, the pool's order, and for each candidate in that order its breaker
-# (half-open probe included), its tier limit and the provider's learned quota
-# (policies.provider_limits), until one is usable; that one is marked used (LRU).
+# The whole decision of `pick()` in one script: the catalog generation the caller routed with, the
+# inbound limit, the pool's order, and for each candidate in that order its breaker (half-open probe
+# included), its tier limit and the provider's learned quotas (policies.provider_limits: one request
+# and the request's token estimate), until one is usable; that one is marked used (LRU). Live first
+# (policies.livefirst): a live pick marks the policy and the key it takes as live-active (and a limit
+# it meets as met by live); a batch pick fills each shared limit only up to the policy's batch share
+# while live traffic is active on it, and stays off a policy or key where live met a limit.
 #
-# ARGV: n_in, selection, probe TTL ms, cursor TTL s, m (candidates), then 4 values per
-#   inbound rule, then per candidate: n_tier and 4 values per tier rule; then the quota's
-#   provisional window ms and the catalog generation the caller holds ('' = don't check).
-# KEYS: n_in inbound keys, the round-robin cursor, then per candidate: breaker state,
-#   breaker probe, LRU mark, quota, quota limit, n_tier tier keys; last the catalog generation.
+# ARGV: n_in, selection, probe TTL ms, cursor TTL s, m (candidates), source, share, tokens needed
+#   (total, input, output), then 4 values per inbound rule, then per candidate: n_tier and 4 values
+#   per tier rule; then the quota's provisional window ms and the catalog generation the caller
+#   holds ('' = don't check).
+# KEYS: n_in inbound keys, the round-robin cursor, the policy's live mark and live-denied mark, then
+#   per candidate: breaker state, breaker probe, LRU mark, the 4 quota keys and the quota info, the
+#   key's live mark, live-denied mark and batch wait, n_tier tier keys; last the catalog generation.
 # Returns {3, generation in Redis} when the caller's catalog is stale (nothing consumed: it
 #   reloads and decides again); {0, rule, wait ms} when the inbound limit is spent (nothing
-#   consumed); {1, candidate, position, order...} when a candidate was taken;
-#   {2, soonest wait ms or -1, 0, order...} when none was usable.
+#   consumed; rule 0: held for live traffic); {1, candidate, position, tokens, input tokens, output
+#   tokens taken from the provider's quotas, order...} when a candidate was taken;
+#   {2, soonest wait ms or -1, 0, 0, 0, 0, order...} when none was usable.
+_HEAD = 10
+_PER_CAND_KEYS = 11
 _PICK_LUA = (
-    ratelimit._LUA_COMMON
+    livefirst.FN_LUA
+    + ratelimit._LUA_COMMON
     + breaker.ACQUIRE_FN_LUA
-    + provider_limits.TAKE_FN_LUA
+    + provider_limits.QUOTA_FN_LUA
     + """
 local held_gen = ARGV[#ARGV]
 if held_gen ~= '' then
   local gen = redis.call('GET', KEYS[#KEYS])
   if gen ~= held_gen then return {3, gen or ''} end
 end
-local quota_window = ARGV[#ARGV - 1]
+local provisional = tonumber(ARGV[#ARGV - 1])
 local now = now_ms()
 local n_in = tonumber(ARGV[1])
 local selection = ARGV[2]
 local probe_ttl = ARGV[3]
 local cursor_ttl = tonumber(ARGV[4])
 local m = tonumber(ARGV[5])
-local a = 5
+local batch = ARGV[6] == 'batch'
+local share = nil
+if batch then share = tonumber(ARGV[7]) end
+local needs = {1, tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])}
+local meters = {'requests', 'tokens', 'input_tokens', 'output_tokens'}
+local a = 10
+local policy_live, policy_denied = KEYS[n_in + 2], KEYS[n_in + 3]
 if n_in > 0 then
-  local worst, wait, apply = check_rules(0, a, n_in, now)
-  if worst > 0 then return {0, worst, math.ceil(wait)} end
+  if batch then
+    local held = batch_held(policy_denied)
+    if held > 0 then return {0, 0, held} end
+  end
+  local live = nil
+  if batch then live = live_state(policy_live, now) end
+  local worst, wait, apply = check_rules(0, a, n_in, now, share, live)
+  if not batch then live_mark(policy_live, now, needs[2]) end
+  if worst > 0 then
+    if not batch then live_denied(policy_denied, wait) end
+    return {0, worst, math.ceil(wait)}
+  end
   for _, fn in ipairs(apply) do fn() end
 end
 a = a + 4 * n_in
 local rr_key = KEYS[n_in + 1]
 local cands = {}
-local k = n_in + 1
+local k = n_in + 3
 for c = 1, m do
   local nt = tonumber(ARGV[a + 1])
   cands[c] = {
-    state = KEYS[k + 1], probe = KEYS[k + 2], lru = KEYS[k + 3], quota = KEYS[k + 4], quota_limit = KEYS[k + 5],
-    k0 = k + 5, a0 = a + 1, nt = nt,
+    state = KEYS[k + 1], probe = KEYS[k + 2], lru = KEYS[k + 3],
+    quota = {KEYS[k + 4], KEYS[k + 5], KEYS[k + 6], KEYS[k + 7]}, info = KEYS[k + 8],
+    live = KEYS[k + 9], denied = KEYS[k + 10], batch_wait = KEYS[k + 11],
+    k0 = k + 11, a0 = a + 1, nt = nt,
   }
-  k = k + 5 + nt
+  k = k + 11 + nt
   a = a + 1 + 4 * nt
+end
+
+-- The provider's learned quotas of a candidate: 0 and each meter's (limit, window) when the request
+-- fits, else the ms until it may. A batch pick leaves live traffic its part (livefirst.live_keep; the
+-- provider's window is a fixed one, ending when it said).
+local function quotas_check(d, live)
+  local infos = {}
+  for i = 1, 4 do
+    local limit, window = quota_info(d.info, meters[i])
+    infos[i] = {limit, window}
+    local keep = 0
+    local w = window or provisional
+    if share and share < 1 and limit and live and live.age < w then
+      local left_ms = redis.call('PTTL', d.quota[i])
+      if left_ms < 0 then left_ms = w end
+      local rate = live.t
+      if i == 1 then rate = live.r end
+      keep = live_keep(limit, math.max(w, left_ms), left_ms, share, rate)
+    end
+    if needs[i] > 0 then
+      local wait = quota_check(d.quota[i], limit, needs[i], keep)
+      if wait > 0 then return wait, infos end
+    end
+  end
+  return 0, infos
 end
 
 local order = {}
@@ -145,26 +205,47 @@ for pos, c in ipairs(order) do
   local d = cands[c]
   local ok, wait = breaker_acquire(d.state, d.probe, probe_ttl, now)
   if ok > 0 then
-    local worst, tier_wait, apply = check_rules(d.k0, d.a0, d.nt, now)
+    local worst, tier_wait, apply = 0, 0, {}
+    local live = nil
+    if batch then
+      -- Live met a limit on this key, or the provider answered a batch call 429: stay off it.
+      tier_wait = math.max(batch_held(d.denied), batch_held(d.batch_wait))
+      if tier_wait > 0 then worst = -1 end
+      live = live_state(d.live, now)
+    end
+    if worst == 0 then worst, tier_wait, apply = check_rules(d.k0, d.a0, d.nt, now, share, live) end
+    local infos
     if worst == 0 then
-      -- The provider said this key's window is spent: don't spend a request learning it again.
-      tier_wait = quota_take(d.quota, d.quota_limit, quota_window)
+      -- The provider said this key's window is spent (or too little is left): don't spend a request
+      -- learning it again.
+      tier_wait, infos = quotas_check(d, live)
       if tier_wait > 0 then worst = -1 end
     end
     if worst == 0 then
       for _, fn in ipairs(apply) do fn() end
-      redis.call('SET', d.lru, now, 'EX', cursor_ttl)
       local res = {1, c, pos}
+      for i = 1, 4 do
+        local taken = 0
+        if needs[i] > 0 then taken = quota_apply(d.quota[i], infos[i][1], infos[i][2], needs[i], provisional) end
+        if i > 1 then res[#res + 1] = taken end
+      end
+      redis.call('SET', d.lru, now, 'EX', cursor_ttl)
+      if not batch then live_mark(d.live, now, needs[2]) end
       for _, o in ipairs(order) do res[#res + 1] = o end
       return res
     end
     -- The key's own tier or quota is spent: hand back a probe this call took.
     if ok == 2 then redis.call('DEL', d.probe) end
+    if not batch then
+      -- Live demand counts whether or not it was served: the batch leaves room for it next time.
+      live_mark(d.live, now, needs[2])
+      live_denied(d.denied, tier_wait)
+    end
     wait = tier_wait
   end
   if wait >= 0 and (soonest < 0 or wait < soonest) then soonest = wait end
 end
-local res = {2, math.ceil(soonest), 0}
+local res = {2, math.ceil(soonest), 0, 0, 0, 0}
 for _, o in ipairs(order) do res[#res + 1] = o end
 return res
 """
@@ -179,16 +260,21 @@ class Picks:
     `(candidate, tier_reservation)`; a later item (fail-over after a failed call) costs
     one more round trip, made only when asked for, so breaking out of the loop takes
     nothing more. A candidate whose breaker refuses or whose tier is spent is skipped,
-    as by the per-call functions above. `retry_after_ms`: when no key was usable, the
-    soonest a skipped one frees up (None when unknown).
+    as by the per-call functions above. `held`: the tokens taken from the provider's learned
+    quotas of the candidate last yielded (settle them: `provider_limits.settle`).
+    `retry_after_ms`: when no key was usable, the soonest a skipped one frees up (None when unknown).
     """
 
-    def __init__(self, policy, candidates: list, max_picks: int):
+    def __init__(self, policy, candidates: list, max_picks: int, source: str = "live", need: Tokens | None = None):
         self._policy = policy
         self._candidates = list(candidates)
         self._max = max_picks
         self._first = None
+        self._source = "batch" if source == "batch" else "live"
+        self._share = livefirst.share_of(policy)
+        self._need = need or Tokens()
         self.inbound = ratelimit.Reservation([])
+        self.held = provider_limits.NOTHING_HELD
         self.retry_after_ms: int | None = None
 
     def _tier_plan(self, cand) -> ratelimit.Plan:
@@ -196,18 +282,22 @@ class Picks:
         return ratelimit.plan(f"hostkey:{key.id}", key.rate_limit, subject=f"host key {key.name}")
 
     def _decide(self, cands: list, selection: str, inbound: ratelimit.Plan | None, held_gen: str = ""):
-        """One round trip. Returns (candidate, tier reservation, remaining candidates in order)."""
+        """One round trip. Returns (candidate, tier reservation, tokens held, remaining candidates in order)."""
         policy_id = self._policy.id
         n_in = len(inbound.rules) if inbound is not None else 0
         plans = [self._tier_plan(c) for c in cands]
         keys = list(inbound.keys) if n_in else []
-        keys.append(_rr_key(policy_id))
-        args = [n_in, selection, breaker.PROBE_TTL_MS, CURSOR_TTL_S, len(cands)]
+        policy_scope = f"policy:{policy_id}"
+        keys += [_rr_key(policy_id), livefirst.mark_key(policy_scope), livefirst.denied_key(policy_scope)]
+        need = self._need
+        args = [n_in, selection, breaker.PROBE_TTL_MS, CURSOR_TTL_S, len(cands), self._source, self._share]
+        args += [need.input + need.output, need.input, need.output]
         if n_in:
             args += inbound.args
         for cand, p in zip(cands, plans, strict=True):
-            keys += [*breaker._keys(cand.key_hash), _lru_key(policy_id, cand.key_hash)]
-            keys += [*provider_limits.keys(cand.key_hash), *p.keys]
+            h = cand.key_hash
+            keys += [*breaker._keys(h), _lru_key(policy_id, h), *provider_limits.keys(h)]
+            keys += [livefirst.mark_key(h), livefirst.denied_key(h), livefirst.batch_wait_key(h), *p.keys]
             args += [len(p.rules), *p.args]
         keys.append(catalog.GEN_KEY)
         args += [provider_limits.PROVISIONAL_WINDOW_MS, held_gen]
@@ -216,15 +306,21 @@ class Picks:
         if status == 3:
             raise catalog.Stale(_text(result[1]))
         if status == 0:
-            raise inbound.denied(int(result[1]), int(result[2]))
-        order = [cands[int(i) - 1] for i in result[3:]]
+            rule, wait = int(result[1]), int(result[2])
+            if rule == 0:  # a live request met the policy's limit: batch work backs off
+                raise ratelimit.RateLimited(
+                    "requests", f"{inbound.subject} (held for live traffic)", max(1, math.ceil(wait / 1000))
+                )
+            raise inbound.denied(rule, wait)
+        order = [cands[int(i) - 1] for i in result[6:]]
         if status == 2:
             wait = int(result[1])
             self.retry_after_ms = wait if wait >= 0 else None
-            return None, None, []
+            return None, None, provider_limits.NOTHING_HELD, []
         chosen = int(result[1]) - 1
         position = int(result[2])
-        return cands[chosen], plans[chosen].reservation(), order[position:]
+        held = provider_limits.Held(int(result[3]), int(result[4]), int(result[5]))
+        return cands[chosen], plans[chosen].reservation(), held, order[position:]
 
     def start(self, inbound: ratelimit.Plan, held_gen: str = "") -> Picks:
         # Even without candidates the script runs: it checks the inbound limit and the catalog generation.
@@ -235,50 +331,67 @@ class Picks:
     def __iter__(self):
         if self._first is None:
             return
-        cand, tier, rest = self._first
+        cand, tier, held, rest = self._first
         picked = 0
         while cand is not None:
+            self.held = held
             yield cand, tier
             picked += 1
             if picked >= self._max or not rest:
                 return
-            cand, tier, rest = self._decide(rest, KeySelection.PRIORITIZED, None)
+            cand, tier, held, rest = self._decide(rest, KeySelection.PRIORITIZED, None)
 
 
 _SUCCESS_LUA = (
     ratelimit._LUA_COMMON
     + ratelimit._SETTLE_FN_LUA
+    + provider_limits.SETTLE_FN_LUA
     + """
-redis.call('DEL', KEYS[1], KEYS[2])
-settle_keys(2, 0, #KEYS - 2, now_ms())
+-- ARGV: n reservation keys, whether the provider's quotas settle too, then the reservations' 3 values
+-- each, then the quota settle's values. KEYS: the breaker's 3, the reservations', the quota's 5.
+local n = tonumber(ARGV[1])
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
+settle_keys(3, 2, n, now_ms())
+if ARGV[2] == '1' then quota_settle(3 + n, 2 + 3 * n) end
 return 1
 """
 )
 
 
-def settle_success(key_hash: str, reservations, *, input_tokens: int = 0, output_tokens: int = 0) -> None:
-    """A call with the key succeeded, in ONE round trip: the key's breaker closes (as
-    `breaker.record_success`) and every reservation commits the observed tokens (as
-    `Reservation.commit`; one already settled is left alone)."""
+def settle_success(
+    key_hash: str, reservations, *, input_tokens: int = 0, output_tokens: int = 0, quota: list | None = None
+) -> None:
+    """A call with the key succeeded, in ONE round trip: the key's breaker closes and the
+    principals' failure scores clear (as `breaker.record_success`), every reservation commits the
+    observed tokens (as `Reservation.commit`; one already settled is left alone), and `quota`
+    (`provider_limits.settle_args`: what the provider said, what the pick held back) settles."""
     charges = ratelimit.Reservation.charges(input_tokens, output_tokens)
-    keys, args = list(breaker._keys(key_hash)), []
+    keys, args = list(breaker.success_keys(key_hash)), []
     for reservation in reservations:
         k, a = reservation.take_settle(charges)
         keys += k
         args += a
+    head = [len(keys) - 3, "1" if quota is not None else "0"]
+    if quota is not None:
+        keys += provider_limits.keys(key_hash)
+        args += quota
     # Nobody waits for its answer: in a batch slot (`lua.deferring`) it travels with the next pick.
-    lua.run_later(_SUCCESS_LUA, keys, args)
+    lua.run_later(_SUCCESS_LUA, keys, head + args)
 
 
-def pick(policy, candidates: list, *, max_picks: int, catalog_gen: str = "") -> Picks:
+def pick(
+    policy, candidates: list, *, max_picks: int, catalog_gen: str = "", source: str = "live", need: Tokens | None = None
+) -> Picks:
     """The inbound limit of `policy` and its first usable key, in one Redis round trip.
 
     Raises `ratelimit.RateLimited` when the inbound limit is spent (nothing consumed), and
     `catalog.Stale` when `catalog_gen` (the generation the caller routed with; "" skips the
     check) is no longer the one in Redis (nothing consumed either: route again and re-pick).
-    `candidates`: objects with `.key` (a HostKey) and `.key_hash`, in declared order."""
+    `candidates`: objects with `.key` (a HostKey) and `.key_hash`, in declared order. `source`: "live"
+    or "batch" (live first: policies.livefirst). `need`: the request's worst case in tokens, taken from
+    the keys' learned token quotas (usage.tokens.estimate)."""
     inbound = ratelimit.plan(f"policy:{policy.id}", policy.rate_limit, subject=f"policy {policy.name}")
-    return Picks(policy, candidates, max_picks).start(inbound, catalog_gen)
+    return Picks(policy, candidates, max_picks, source, need).start(inbound, catalog_gen)
 
 
 def _text(value) -> str:

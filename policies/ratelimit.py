@@ -25,6 +25,7 @@ bucket instead of reinterpreting state written under other maths.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -34,6 +35,8 @@ import redis
 from policies import lua
 from policies.models import Meter, Strategy
 from relay.redis import get_redis
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from policies.models import RateLimit
@@ -90,7 +93,10 @@ end
 -- window ms, strategy). Every rule is decided before anything is written, so a denial
 -- consumes nothing: returns the worst rule (1-based within the set, 0 when all pass),
 -- its wait in ms, and the writes to apply when the caller takes the reservation.
-local function check_rules(k0, a0, n, now)
+-- Live first (policies.livefirst): with `share` < 1 and live traffic active within a rule's window
+-- (`live`: its live_state), the caller (a batch item) must leave free what live_keep says; its wait
+-- is then at most until live traffic has been quiet for a window. nil: the whole amount.
+local function check_rules(k0, a0, n, now, share, live)
   local apply = {}
   local worst_rule, worst_wait = 0, -1
   for i = 1, n do
@@ -101,10 +107,22 @@ local function check_rules(k0, a0, n, now)
     local window = tonumber(ARGV[base + 3])
     local strategy = ARGV[base + 4]
     local wait = nil
+    local cap = amount
+    local held_for_live = share and share < 1 and live and live.age < window
+    if held_for_live then
+      local rate, left_ms = live.r, nil
+      if kind == 'tokens' then rate = live.t end
+      if kind == 'concurrency' then
+        rate = 0
+      elseif strategy == 'fixed-window' and kind ~= 'tokens' then
+        left_ms = (math.floor(now / window) + 1) * window - now
+      end
+      cap = amount - live_keep(amount, window, left_ms, share, rate)
+    end
 
     if kind == 'concurrency' then
       local inflight = tonumber(redis.call('GET', key) or '0')
-      if inflight + 1 > amount then
+      if inflight + 1 > cap then
         wait = %(concurrency_retry_ms)d
       else
         apply[#apply + 1] = function()
@@ -116,14 +134,14 @@ local function check_rules(k0, a0, n, now)
     elseif kind == 'tokens' then
       -- Only checked here; commit charges what the response reports.
       local idx, cur, prev, elapsed = sliding_state(key, now, window)
-      if cur + prev * (1 - elapsed / window) >= amount then
-        wait = sliding_wait(cur, prev, elapsed, window, amount, true)
+      if cur + prev * (1 - elapsed / window) >= cap then
+        wait = sliding_wait(cur, prev, elapsed, window, cap, true)
       end
 
     elseif strategy == 'sliding-window' then
       local idx, cur, prev, elapsed = sliding_state(key, now, window)
-      if cur + prev * (1 - elapsed / window) + 1 > amount then
-        wait = sliding_wait(cur, prev, elapsed, window, amount - 1, false)
+      if cur + prev * (1 - elapsed / window) + 1 > cap then
+        if cap >= 1 then wait = sliding_wait(cur, prev, elapsed, window, cap - 1, false) else wait = window end
       else
         apply[#apply + 1] = function() sliding_write(key, idx, cur + 1, prev, window) end
       end
@@ -133,7 +151,7 @@ local function check_rules(k0, a0, n, now)
       local s = redis.call('HMGET', key, 'idx', 'n')
       local n = 0
       if tonumber(s[1]) == idx then n = tonumber(s[2]) or 0 end
-      if n + 1 > amount then
+      if n + 1 > cap then
         wait = (idx + 1) * window - now
       else
         apply[#apply + 1] = function()
@@ -148,8 +166,10 @@ local function check_rules(k0, a0, n, now)
       if s[1] then
         tokens = math.min(amount, tonumber(s[1]) + (now - tonumber(s[2])) * amount / window)
       end
-      if tokens < 1 then
-        wait = (1 - tokens) * window / amount
+      -- What live traffic keeps stays in the bucket, refilling with the rest: usable by live at any time.
+      local usable = tokens - (amount - cap)
+      if usable < 1 then
+        wait = (1 - usable) * window / amount
       else
         apply[#apply + 1] = function()
           redis.call('HSET', key, 'tokens', tokens - 1, 'ts', now)
@@ -158,6 +178,10 @@ local function check_rules(k0, a0, n, now)
       end
     end
 
+    if wait and held_for_live then
+      -- Not a number (a cap under one request), or past the moment live traffic has been quiet a window.
+      if wait ~= wait or wait > window - live.age then wait = window - live.age end
+    end
     if wait and wait > worst_wait then
       worst_rule, worst_wait = i, wait
     end

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from django.utils import timezone
 
-from policies import breaker, keypool, provider_limits, ratelimit
+from policies import breaker, keypool, livefirst, provider_limits, ratelimit
 from policies.breaker import Failure
 from relay import adapters, catalog, routing, scrub, upstream
 from relay.auth import Principal
@@ -25,7 +25,7 @@ from relay.crypto import SecretUnavailable, sha256_hex
 from relay.errors import RelayError
 from relay.retry_after import header_seconds, parse_retry_after
 from usage.pricing import cost_nano_usd
-from usage.tokens import Tokens, parse_usage
+from usage.tokens import Tokens, estimate, parse_usage
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +53,12 @@ class Call:
     # every key of the pool in one go. (401/403/429 and network errors, which are about the key,
     # always fail over.)
     failover_on_server_error: bool = True
-    # Whether a 5xx opens the key's breaker. A batch item that already failed once and fails again
-    # is more likely a request the provider cannot serve than a bad key: it does not bench the key
-    # (nor fail a half-open probe), so a few such items cannot starve the rest of the batch.
+    # Whether a 5xx counts against the key's breaker at all. It never benches the key by itself: it
+    # scores the call's principal, and the key opens for everyone only when two or more principals
+    # saw such failures lately (policies.breaker), so one tenant's (or one batch's) requests that the
+    # provider refuses cannot bench a key for the others. A batch item that already failed once and
+    # fails again is more likely a request the provider cannot serve than a bad key: it does not even
+    # score (nor fail a half-open probe).
     server_error_benches_key: bool = True
     # A live request authenticated from the catalog snapshot its process held (relay.api.authentication):
     # that snapshot, and how to authenticate again with another one when the key pick finds it stale.
@@ -99,6 +102,8 @@ class Streamed:
     adapter: str  # the binding's: which provider's events these are
     path: str  # the upstream path
     settled: bool = False
+    # Tokens the pick took from the key's learned token quotas: the unused part goes back at the end.
+    quota_held: provider_limits.Held = provider_limits.NOTHING_HELD
 
 
 def dispatch(call: Call) -> Outcome:
@@ -135,6 +140,10 @@ def finish_stream(outcome: Outcome, tokens: Tokens, *, failure: str = "", stream
         inbound.commit(input_tokens=_input_side(tokens), output_tokens=tokens.output)
         if failure == "network":
             breaker.record_failure(held.key_hash, Failure.NETWORK)
+        elif held.quota_held:
+            # What the provider reported is what it counts, however the stream ended.
+            used = Tokens(input=_input_side(tokens), output=tokens.output)
+            provider_limits.settle(held.key_hash, {}, held.quota_held, used)
     except Exception:  # Redis gone at the end of a stream: the event is still recorded
         log.exception("request %s: settling the stream's limits failed", event["request_id"])
     kind, message = "", ""
@@ -216,7 +225,14 @@ def _routed_and_picked(call: Call, ctx: dict):
             candidates = _candidates(route.keys)
             if route.keys and not candidates:
                 raise _unreadable_keys(route, call.request_id)
-            picks = keypool.pick(policy, candidates, max_picks=MAX_KEY_ATTEMPTS, catalog_gen=check)
+            picks = keypool.pick(
+                policy,
+                candidates,
+                max_picks=MAX_KEY_ATTEMPTS,
+                catalog_gen=check,
+                source=call.source,
+                need=estimate(call.body),
+            )
         except ratelimit.RateLimited as exc:
             err = RelayError(429, "rate_limit_exceeded", exc.message, headers={"Retry-After": exc.retry_after})
             err.retry_after = float(exc.retry_after)
@@ -270,6 +286,8 @@ def _dispatch(call: Call, ctx: dict, started: float, streamed: bool = False) -> 
             except upstream.UpstreamError as exc:
                 tier.release()
                 last_error = exc
+                if exc.kind == "unreachable":  # never sent: what the pick took from the provider's quotas goes back
+                    provider_limits.settle(cand.key_hash, {}, picks.held, Tokens())
                 if exc.kind in ("timeout", "cancelled", "too_large"):
                     breaker.release_probe(cand.key_hash)
                     raise _upstream_error_to_relay(exc, call.request_id) from exc
@@ -278,12 +296,13 @@ def _dispatch(call: Call, ctx: dict, started: float, streamed: bool = False) -> 
                 )
                 continue
             last_response, last_error = resp, None
-            provider_limits.learn(cand.key_hash, resp.headers)
             if 200 <= resp.status < 300 and streamed:
                 # The key answered: its breaker closes now (a half-open probe is answered before the first
                 # byte, not at the stream's end). Its tier and the inbound limit stay held while the stream
-                # runs (a concurrency limit counts it) and are charged its tokens at the end.
+                # runs (a concurrency limit counts it) and are charged its tokens at the end, as are the
+                # provider's token quotas (what the provider said is learned now).
                 breaker.record_success(cand.key_hash)
+                provider_limits.learn(cand.key_hash, resp.headers)
                 handed_over = True
                 outcome = _finish(
                     call,
@@ -298,14 +317,27 @@ def _dispatch(call: Call, ctx: dict, started: float, streamed: bool = False) -> 
                     event_status=resp.status,
                 )
                 outcome.stream = Streamed(
-                    resp, (tier, inbound), cand.key_hash, started, route.binding.pricing, route.adapter, path
+                    resp,
+                    (tier, inbound),
+                    cand.key_hash,
+                    started,
+                    route.binding.pricing,
+                    route.adapter,
+                    path,
+                    quota_held=picks.held,
                 )
                 return outcome
             if 200 <= resp.status < 300:
                 tokens = parse_usage(route.adapter, path, _json_or_empty(resp.body))
-                # Breaker closed, tier and inbound committed: one Redis round trip.
+                used = Tokens(input=_input_side(tokens), output=tokens.output)
+                # Breaker closed, tier and inbound committed, the provider's word learned and the unused
+                # part of the token reservation given back: one Redis round trip.
                 keypool.settle_success(
-                    cand.key_hash, (tier, inbound), input_tokens=_input_side(tokens), output_tokens=tokens.output
+                    cand.key_hash,
+                    (tier, inbound),
+                    input_tokens=used.input,
+                    output_tokens=used.output,
+                    quota=provider_limits.settle_args(resp.headers, picks.held, used),
                 )
                 return _finish(
                     call,
@@ -321,6 +353,9 @@ def _dispatch(call: Call, ctx: dict, started: float, streamed: bool = False) -> 
                     tokens=tokens,
                 )
             tier.release()
+            # The provider answered without serving the request: its word is learned and what the pick
+            # took from its token quotas goes back (it counts what it says it counts).
+            provider_limits.settle(cand.key_hash, resp.headers, picks.held, Tokens())
             failure = _classify(resp.status)
             if failure is None:
                 # 400/404/422…: the request is at fault, not the key; the key answered fine.
@@ -328,10 +363,18 @@ def _dispatch(call: Call, ctx: dict, started: float, streamed: bool = False) -> 
                 break
             if failure is Failure.RATE_LIMITED and _retry_after(resp) is not None:
                 waits.append(_retry_after(resp))  # this key's own wait; the soonest of the keys tried counts
-            if failure is Failure.SERVER and not call.server_error_benches_key:
-                breaker.release_probe(cand.key_hash)  # the request, not the key, is the likelier culprit
+            if failure is Failure.RATE_LIMITED:
+                # Live first: a batch call's 429 keeps batch items off the key, not live requests (what is kept
+                # for them refills), so it opens no breaker; a live request's holds batch work off for a while.
+                livefirst.after_429(cand.key_hash, call.source, _capped(_retry_after(resp)))
+            batch_429 = failure is Failure.RATE_LIMITED and call.source == "batch"
+            if batch_429 or (failure is Failure.SERVER and not call.server_error_benches_key):
+                breaker.release_probe(cand.key_hash)  # the request (or batch pacing), not the key, is at stake
             else:
-                breaker.record_failure(cand.key_hash, failure, _retry_after(resp))
+                # A 5xx or 403 is scored against this principal; 401 and long 429s open at once.
+                breaker.record_failure(
+                    cand.key_hash, failure, _retry_after(resp), principal=breaker.principal_tag(call.principal)
+                )
             if failure is Failure.SERVER and not call.failover_on_server_error:
                 break  # the caller retries later, with backoff, rather than spread one failure over every key
     finally:

@@ -204,3 +204,76 @@ def test_release_probe_lets_the_next_caller_probe_at_once():
     assert breaker.try_acquire(key) is False  # the probe is held
     release_probe(key)
     assert breaker.try_acquire(key) is True
+
+
+# --- tenants isolated: 5xx and 403 are scored per principal ----------------------------------------
+
+A_TENANT, B_TENANT = "serviceaccount:1", "serviceaccount:2"
+
+
+@pytest.mark.parametrize("failure", [Failure.SERVER, Failure.FORBIDDEN])
+def test_one_principals_failures_never_open_the_key(failure):
+    for _ in range(10):
+        assert breaker.record_failure(KEY, failure, principal=B_TENANT) is False
+    assert breaker.snapshot(KEY)["state"] == "closed"
+    assert breaker.try_acquire(KEY)
+    assert breaker.suspects(KEY) == [B_TENANT]
+
+
+@pytest.mark.parametrize(
+    "failure,reason", [(Failure.SERVER, "upstream_server_error"), (Failure.FORBIDDEN, "upstream_forbidden")]
+)
+def test_a_second_principal_within_the_window_opens_it_for_everyone(failure, reason):
+    breaker.record_failure(KEY, failure, principal=B_TENANT)
+    assert breaker.record_failure(KEY, failure, principal=A_TENANT) is True
+    snap = breaker.snapshot(KEY)
+    assert (snap["state"], snap["step"], snap["reason"]) == ("open", 1, reason)
+    assert 1 < _cooldown_s() <= 2
+    assert not breaker.try_acquire(KEY)
+    assert sorted(breaker.suspects(KEY)) == [A_TENANT, B_TENANT]
+
+
+def test_a_success_by_anyone_clears_the_scores():
+    breaker.record_failure(KEY, Failure.SERVER, principal=B_TENANT)
+    breaker.record_success(KEY)
+    assert breaker.suspects(KEY) == []
+    assert breaker.record_failure(KEY, Failure.SERVER, principal=A_TENANT) is False
+    assert breaker.snapshot(KEY)["state"] == "closed"
+
+
+def test_a_score_older_than_the_window_does_not_count():
+    breaker.record_failure(KEY, Failure.SERVER, principal=B_TENANT)
+    suspects_key = f"relay:breaker:{{{KEY}}}:suspects"
+    old = _server_s() * 1000 - breaker.SUSPECT_WINDOW_MS - 1000
+    get_redis().zadd(suspects_key, {B_TENANT: old})  # as if B's failure were 61 s ago
+    assert breaker.record_failure(KEY, Failure.SERVER, principal=A_TENANT) is False
+    assert breaker.suspects(KEY) == [A_TENANT]
+    assert 0 < get_redis().pttl(suspects_key) <= breaker.SUSPECT_WINDOW_MS
+
+
+@pytest.mark.parametrize("failure", [Failure.AUTH, Failure.NETWORK])
+def test_failures_about_the_key_or_the_wire_open_at_once_whoever_saw_them(failure):
+    assert breaker.record_failure(KEY, failure, principal=B_TENANT) is True
+    assert breaker.snapshot(KEY)["state"] == "open"
+
+
+def test_a_probe_failed_by_one_principal_alone_is_handed_back():
+    breaker.record_failure(KEY, Failure.SERVER, principal=B_TENANT)
+    breaker.record_failure(KEY, Failure.SERVER, principal=A_TENANT)
+    get_redis().delete(f"relay:breaker:{{{KEY}}}:suspects")  # both scores aged out
+    _cool_down()
+    assert breaker.try_acquire(KEY)  # B's request probes
+    assert breaker.record_failure(KEY, Failure.SERVER, principal=B_TENANT) is False
+    assert breaker.snapshot(KEY)["state"] == "half_open"
+    assert breaker.try_acquire(KEY)  # the probe went back: another caller asks the question
+
+
+def test_a_probe_failed_while_two_principals_are_scored_climbs_the_ladder():
+    breaker.record_failure(KEY, Failure.SERVER, principal=B_TENANT)
+    breaker.record_failure(KEY, Failure.SERVER, principal=A_TENANT)
+    _cool_down()
+    assert breaker.try_acquire(KEY)
+    assert breaker.record_failure(KEY, Failure.SERVER, principal=B_TENANT) is True
+    snap = breaker.snapshot(KEY)
+    assert (snap["state"], snap["step"]) == ("open", 2)
+    assert 3 < _cooldown_s() <= 4
