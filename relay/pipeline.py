@@ -19,12 +19,12 @@ from django.utils import timezone
 
 from policies import breaker, keypool, livefirst, provider_limits, ratelimit
 from policies.breaker import Failure
-from relay import adapters, catalog, routing, scrub, upstream
+from relay import adapters, answers, catalog, routing, scrub, upstream
 from relay.auth import Principal
 from relay.crypto import SecretUnavailable, sha256_hex
 from relay.errors import RelayError
-from relay.retry_after import header_seconds, parse_retry_after
-from usage.pricing import cost_nano_usd
+from usage import budgets
+from usage.pricing import cost_nano_usd, discounted
 from usage.tokens import Tokens, estimate, parse_usage
 
 log = logging.getLogger(__name__)
@@ -44,6 +44,8 @@ class Call:
     inbound_headers: dict = field(default_factory=dict)
     cancel: Callable[[], bool] | None = None
     batch_id: str = ""
+    # A batch record's discount (percent): what its spend-budget reservation and settle count (usage.budgets).
+    discount_percent: int = 0
     # Batch shape gate: the binding's adapter must equal this (None for live).
     required_adapter: str | None = None
     # The governing policy when the caller has loaded it already (a batch item checks it first).
@@ -84,9 +86,6 @@ class Outcome:
     @property
     def ok(self) -> bool:
         return self.error is None and 200 <= self.status < 300
-
-
-_RETRYABLE = {401: Failure.AUTH, 403: Failure.FORBIDDEN, 429: Failure.RATE_LIMITED}
 
 
 @dataclass
@@ -150,7 +149,7 @@ def finish_stream(outcome: Outcome, tokens: Tokens, *, failure: str = "", stream
     if failure in ("client_gone", "cancelled"):  # cancelled: the watchdog saw the client's connection end
         kind, message = "client_canceled", "the client closed the stream before its end"
     elif failure:
-        text = _TRANSPORT_ERRORS.get(failure, _TRANSPORT_ERRORS["network"])[2]
+        text = answers.TRANSPORT_ERRORS.get(failure, answers.TRANSPORT_ERRORS["network"])[2]
         kind, message = "upstream_stream_broken", f"the stream broke after its first byte: {text}"
     elif stream_error:
         kind, message = "upstream_stream_error", scrub.scrub_text(stream_error, load=False)
@@ -171,9 +170,14 @@ def finish_stream(outcome: Outcome, tokens: Tokens, *, failure: str = "", stream
 def _dispatch_guarded(call: Call, *, streamed: bool) -> Outcome:
     started = time.monotonic()
     ctx = {"attempts": 0, "route": None, "host_key": None}
+    hold = None
     try:
-        return _dispatch(call, ctx, started, streamed)
+        # A batch record reserves its worst case on its spend budgets before anything else (none left: a
+        # BudgetExceeded, 429 budget_exceeded with retry_after), and settles with its billed cost after.
+        hold = budgets.reserve_for_batch_call(call)
+        outcome = _dispatch(call, ctx, started, streamed)
     except RelayError as err:
+        budgets.settle_quietly(hold, None, call.request_id)
         kind = err.code or "relay_error"
         ctx["retry_after"] = getattr(err, "retry_after", None)
         return _finish(
@@ -188,6 +192,12 @@ def _dispatch_guarded(call: Call, *, streamed: bool) -> Outcome:
             error_kind=kind,
             event_status=0,
         )
+    except BaseException:
+        budgets.settle_quietly(hold, None, call.request_id)
+        raise
+    cost = outcome.event.get("cost_nano_usd")
+    budgets.settle_quietly(hold, None if cost is None else discounted(cost, call.discount_percent), call.request_id)
+    return outcome
 
 
 # Catalog writes racing one request: how many times it routes again before it stops checking.
@@ -290,7 +300,7 @@ def _dispatch(call: Call, ctx: dict, started: float, streamed: bool = False) -> 
                     provider_limits.settle(cand.key_hash, {}, picks.held, Tokens())
                 if exc.kind in ("timeout", "cancelled", "too_large"):
                     breaker.release_probe(cand.key_hash)
-                    raise _upstream_error_to_relay(exc, call.request_id) from exc
+                    raise answers.upstream_error_to_relay(exc, call.request_id) from exc
                 breaker.record_failure(
                     cand.key_hash, Failure.UNREACHABLE if exc.kind == "unreachable" else Failure.NETWORK
                 )
@@ -310,7 +320,7 @@ def _dispatch(call: Call, ctx: dict, started: float, streamed: bool = False) -> 
                     started,
                     status=resp.status,
                     body=b"",
-                    headers=_content_type(resp, "text/event-stream"),
+                    headers=answers.content_type(resp, "text/event-stream"),
                     origin="upstream",
                     error=None,
                     error_kind="",
@@ -328,7 +338,7 @@ def _dispatch(call: Call, ctx: dict, started: float, streamed: bool = False) -> 
                 )
                 return outcome
             if 200 <= resp.status < 300:
-                tokens = parse_usage(route.adapter, path, _json_or_empty(resp.body))
+                tokens = parse_usage(route.adapter, path, answers.json_or_empty(resp.body))
                 used = Tokens(input=_input_side(tokens), output=tokens.output)
                 # Breaker closed, tier and inbound committed, the provider's word learned and the unused
                 # part of the token reservation given back: one Redis round trip.
@@ -345,7 +355,7 @@ def _dispatch(call: Call, ctx: dict, started: float, streamed: bool = False) -> 
                     started,
                     status=resp.status,
                     body=resp.body,
-                    headers=_content_type(resp),
+                    headers=answers.content_type(resp),
                     origin="upstream",
                     error=None,
                     error_kind="",
@@ -356,24 +366,24 @@ def _dispatch(call: Call, ctx: dict, started: float, streamed: bool = False) -> 
             # The provider answered without serving the request: its word is learned and what the pick
             # took from its token quotas goes back (it counts what it says it counts).
             provider_limits.settle(cand.key_hash, resp.headers, picks.held, Tokens())
-            failure = _classify(resp.status)
+            failure = answers.classify(resp.status)
             if failure is None:
                 # 400/404/422…: the request is at fault, not the key; the key answered fine.
                 breaker.record_success(cand.key_hash)
                 break
-            if failure is Failure.RATE_LIMITED and _retry_after(resp) is not None:
-                waits.append(_retry_after(resp))  # this key's own wait; the soonest of the keys tried counts
+            if failure is Failure.RATE_LIMITED and answers.retry_after(resp) is not None:
+                waits.append(answers.retry_after(resp))  # this key's own wait; the soonest of the keys tried counts
             if failure is Failure.RATE_LIMITED:
                 # Live first: a batch call's 429 keeps batch items off the key, not live requests (what is kept
                 # for them refills), so it opens no breaker; a live request's holds batch work off for a while.
-                livefirst.after_429(cand.key_hash, call.source, _capped(_retry_after(resp)))
+                livefirst.after_429(cand.key_hash, call.source, answers.capped(answers.retry_after(resp)))
             batch_429 = failure is Failure.RATE_LIMITED and call.source == "batch"
             if batch_429 or (failure is Failure.SERVER and not call.server_error_benches_key):
                 breaker.release_probe(cand.key_hash)  # the request (or batch pacing), not the key, is at stake
             else:
                 # A 5xx or 403 is scored against this principal; 401 and long 429s open at once.
                 breaker.record_failure(
-                    cand.key_hash, failure, _retry_after(resp), principal=breaker.principal_tag(call.principal)
+                    cand.key_hash, failure, answers.retry_after(resp), principal=breaker.principal_tag(call.principal)
                 )
             if failure is Failure.SERVER and not call.failover_on_server_error:
                 break  # the caller retries later, with backoff, rather than spread one failure over every key
@@ -383,7 +393,7 @@ def _dispatch(call: Call, ctx: dict, started: float, streamed: bool = False) -> 
 
     if last_response is not None:
         # Every key tried answered 429: capacity is back when the soonest of them said.
-        ctx["retry_after"] = _capped(min(waits)) if last_response.status == 429 and waits else None
+        ctx["retry_after"] = answers.capped(min(waits)) if last_response.status == 429 and waits else None
         return _finish(
             call,
             ctx,
@@ -391,9 +401,9 @@ def _dispatch(call: Call, ctx: dict, started: float, streamed: bool = False) -> 
             status=last_response.status,
             body=last_response.body[:ERROR_BODY_LIMIT],
             headers={
-                **_content_type(last_response),
+                **answers.content_type(last_response),
                 "X-WR-Upstream-Status": last_response.status,
-                **_passthrough_retry(last_response),
+                **answers.passthrough_retry(last_response),
             },
             origin="upstream",
             error=None,
@@ -402,11 +412,11 @@ def _dispatch(call: Call, ctx: dict, started: float, streamed: bool = False) -> 
             error_message=f"upstream returned {last_response.status}",
         )
     if last_error is not None:
-        raise _upstream_error_to_relay(last_error, call.request_id)
+        raise answers.upstream_error_to_relay(last_error, call.request_id)
     if not tried_any:
         if picks.retry_after_ms is not None:  # keys the pick passed over: breaker cooldowns, spent tiers
             waits.append(picks.retry_after_ms / 1000)
-        wait = _capped(min(waits)) if waits else None
+        wait = answers.capped(min(waits)) if waits else None
         err = RelayError(
             503,
             "no_keys",
@@ -480,66 +490,8 @@ def _check_shape(call: Call, route: routing.Route) -> str:
     )
 
 
-def _classify(status: int) -> Failure | None:
-    if status in _RETRYABLE:
-        return _RETRYABLE[status]
-    if status >= 500:
-        return Failure.SERVER
-    return None
-
-
-def _retry_after(resp: upstream.UpstreamResponse) -> float | None:
-    return parse_retry_after({k.lower(): v for k, v in resp.headers.items()}.get("retry-after"))
-
-
-MAX_RETRY_AFTER_S = 3600
-
-
-def _capped(seconds: float | None) -> float | None:
-    """A wait we act on: at least a moment, at most an hour, whatever a provider or a limiter said."""
-    if seconds is None or seconds != seconds:  # None or NaN
-        return None
-    return min(max(seconds, 0.05), MAX_RETRY_AFTER_S)
-
-
-def _passthrough_retry(resp: upstream.UpstreamResponse) -> dict:
-    seconds = _retry_after(resp)
-    return {"Retry-After": header_seconds(seconds)} if seconds is not None else {}
-
-
-def _content_type(resp: upstream.UpstreamResponse, default: str = "application/json") -> dict:
-    ct = {k.lower(): v for k, v in resp.headers.items()}.get("content-type", default)
-    return {"Content-Type": ct}
-
-
-def _json_or_empty(raw: bytes) -> dict:
-    try:
-        value = json.loads(raw)
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
 def _input_side(tokens: Tokens) -> int:
     return tokens.input + tokens.cache_read + tokens.cache_write
-
-
-# What a tenant reads when no HTTP answer came: one fixed sentence per cause, with its code. The
-# exception's own text (hosts, ports, library class names) goes to the log only, under the request id.
-_TRANSPORT_ERRORS = {
-    "timeout": (504, "timeout", "the upstream provider did not answer within the deadline"),
-    "cancelled": (499, "client_canceled", "cancelled"),
-    "unreachable": (502, "upstream_unreachable", "the upstream provider could not be reached"),
-    "network": (502, "upstream_error", "the connection to the upstream provider broke"),
-    "too_large": (502, "upstream_error", "the upstream answer exceeded the relay's size limit"),
-}
-
-
-def _upstream_error_to_relay(exc: upstream.UpstreamError, request_id: str) -> RelayError:
-    status, code, message = _TRANSPORT_ERRORS.get(exc.kind, _TRANSPORT_ERRORS["network"])
-    if exc.kind != "cancelled":
-        log.warning("request %s: upstream %s: %s", request_id, exc.kind, exc.message)
-    return RelayError(status, code, f"{message} (request {request_id})" if request_id else message)
 
 
 def _finish(

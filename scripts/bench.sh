@@ -5,6 +5,8 @@
 #   bench/batch.py          — issue 4: 50,000-item submit, batch throughput, 50,000-result fetch
 #   bench/streaming.py      — issue 26: streamed calls: time to first byte and chunk throughput vs direct
 #   bench/webhooks.py       — batch-end webhooks: 10,000 events' delivered rate and p99, a receiver outage
+#   bench/capacity.py       — issue 28: live p50/p99 and 429s alone vs with a batch draining on the same key;
+#                             a token-limited provider's 429 rate and drain (relay_bench_capacity, Redis db 12)
 #   bench/provider_batch.py — issue 25: a 50,000-record batch in provider mode: relay CPU, memory, polls, cost
 #                             (relay_bench_provider, Redis db 8; ~7 minutes, most of it the fake's 120 s job)
 # Each benchmark uses its own PostgreSQL database (relay_bench, relay_bench_batch, relay_bench_stream: dropped and
@@ -15,7 +17,7 @@
 #   BENCH_QUICK=1 make bench        (= make bench-quick)
 #
 # Knobs (environment; defaults in brackets; BENCH_QUICK=1 changes only the defaults):
-#   BENCH_ONLY                [live,batch,streaming,provider,webhooks] run some of them only: BENCH_ONLY=batch
+#   BENCH_ONLY                [live,batch,streaming,provider,webhooks,capacity] run some of them only: BENCH_ONLY=batch
 #   BENCH_ITEMS               [50000] items of the native submission, the results fetch and the JSONL upload
 #   BENCH_ITEM_BYTES          [650]   size of one request (50,000 x 650 B = a 31 MiB body)
 #   BENCH_THROUGHPUT_ITEMS    [2000]  items of the throughput batch, at BENCH_LATENCY_MS
@@ -54,6 +56,7 @@
 #   BENCH_PROVIDER_WARMUP     [2000]  records of a small provider-mode batch first (a 5 s job); 0 skips it
 #   BENCH_PROVIDER_RELAY_SAMPLE [2000] records run by the relay's worker (relay mode) for the cost table; 0 skips it
 #   BENCH_REDIS_DB_PROVIDER   [8]     Redis db of the provider benchmark
+#   BENCH_REDIS_DB_CAPACITY   [12]    Redis db of the capacity benchmark (PostgreSQL: relay_bench_capacity)
 #   BENCH_PG_URL              [postgres://postgres:postgres@127.0.0.1:5432]
 #   BENCH_REDIS_URL           [redis://127.0.0.1:6379]
 #   BENCH_REDIS_DB_LIVE       [9]     Redis dbs of the two benchmarks; a db holding someone else's keys
@@ -73,7 +76,7 @@ bash scripts/venv.sh requirements-dev.txt
 bash scripts/services.sh
 echo "make bench: load before the run: $(uptime)"
 
-only=",${BENCH_ONLY:-live,batch,streaming,provider,webhooks},"
+only=",${BENCH_ONLY:-live,batch,streaming,provider,webhooks,capacity},"
 start=$SECONDS
 failed=()
 if [[ $only == *,live,* || $only == *,streaming,* ]] && [[ ${BENCH_PEER:-1} != 0 ]]; then
@@ -93,6 +96,9 @@ if [[ $only == *,webhooks,* ]]; then
 fi
 if [[ $only == *,provider,* ]]; then
   .venv/bin/python -m bench.provider_batch || failed+=(provider_batch)
+fi
+if [[ $only == *,capacity,* ]]; then
+  .venv/bin/python -m bench.capacity || failed+=(capacity)
 fi
 commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 echo "make bench: $((SECONDS - start)) s in all, at commit $commit; load after the run: $(uptime)"

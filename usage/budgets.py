@@ -508,6 +508,32 @@ def standings(budgets: list[Budget], now: datetime | None = None) -> list[Standi
     return result
 
 
+def reserve_for_batch_call(call) -> Hold | None:
+    """A batch record's worst case (price × token estimate, less its discount) reserved on the spend budgets
+    governing it, before its call (relay.pipeline); None when none does. Raises BudgetExceeded. A live call
+    is checked and charged by its view instead."""
+    from relay import routing
+    from usage.tokens import estimate
+
+    if call.source != "batch" or not applicable(call.principal, call.policy):
+        return None
+    policy = call.policy or routing.load_policy(call.principal.policy_id)
+    route = routing.resolve(policy, call.body.get("model"))  # cached; a routing error is the call's answer
+    worst = worst_case_nanos(route.binding.pricing, estimate(call.body), batch_discount_percent=call.discount_percent)
+    return reserve(call.principal, policy, worst)
+
+
+def settle_quietly(hold: Hold | None, billed: int | None, request_id: str) -> None:
+    """`settle` after a call whose answer stands whatever happens here: a settle that fails leaves the hold
+    to expire and be reclaimed (`reclaim_expired`), never the call failed."""
+    if hold is None:
+        return
+    try:
+        settle(hold, billed)
+    except Exception:
+        log.exception("request %s: its spend-budget reservation could not be settled", request_id)
+
+
 def metric_rows() -> list[tuple[dict, float, float, float]]:
     """(labels, spent USD, reserved USD, limit USD) of each enabled budget's current period, for /metrics."""
     budgets = list(
@@ -539,6 +565,8 @@ __all__ = [
     "metric_rows",
     "period_bounds",
     "reclaim_expired",
+    "reserve_for_batch_call",
+    "settle_quietly",
     "reserve",
     "settle",
     "standings",

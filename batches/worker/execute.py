@@ -245,6 +245,7 @@ def _execute(batch: Batch, item: Item, principal, deadline: float, hb: Heartbeat
                 deadline=deadline,
                 cancel=hb.should_stop,
                 batch_id=str(batch.id),
+                discount_percent=batch.discount_percent,
                 # Native items must match their shape's adapter (decision 0003); an OpenAI or Anthropic record
                 # routes as the live call to its endpoint would (relay.adapters.PATH_ADAPTER).
                 required_adapter=batch.inbound_shape if batch.surface == Surface.NATIVE else None,
