@@ -107,9 +107,10 @@ def _pages(sql: str, idx: str, batch: Batch, size: int) -> Iterator[list]:
         with connection.cursor() as cursor:
             cursor.execute(f"{sql} AND {idx} > %s ORDER BY {idx} LIMIT %s", [batch_pk, after, size])
             rows = cursor.fetchall()
-        if not rows:
+        if rows:
+            yield rows
+        if len(rows) < size:  # a short page is the last: no statement to learn that the next is empty
             return
-        yield rows
         after = rows[-1][0]
 
 
