@@ -113,6 +113,7 @@ admin_users = postgres
 stats_users = postgres
 max_client_conn = 1000
 default_pool_size = $POOL_SIZE
+server_login_retry = 2
 ; No ignore_startup_parameters: a client that sends connect-time \`options\` is refused, as in production.
 server_idle_timeout = 60
 logfile = $DIR/pgbouncer.log
