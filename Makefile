@@ -37,7 +37,8 @@ flower:
 bench-quick:
 	@BENCH_QUICK=1 bash scripts/bench.sh
 
-# The claim, finish, sweeper, /metrics and admin at 2,000 and 1,000,000 rows (bench/scale.py).
+# The claim, finish, sweeper, /metrics and admin at 2,000 and 1,000,000 rows (bench/scale.py), then a real
+# drain by worker replicas through PgBouncer with the s3 store on both sizes (bench/scale_drain.py).
 bench-scale:
 	@bash scripts/bench_scale.sh
 

@@ -2,7 +2,9 @@
 # `make bench-scale`: bench/scale.py — the claim, finish, sweeper, /metrics and admin at 2,000 and at
 # 1,000,000 rows (BENCH_SCALE_SIZES). Its own database (relay_bench_scale, dropped and recreated, dropped at
 # the end unless BENCH_KEEP_DB=1) and Redis db (BENCH_REDIS_DB_SCALE, 13: flushed at start and end).
-# About 10 minutes at the defaults on a 2-core machine, most of it writing the million rows.
+# Then bench/scale_drain.py — a real drain by worker replicas through PgBouncer with the s3 store (moto),
+# on a small and a large history (relay_bench_scale_drain, Redis db BENCH_REDIS_DB_SCALE_DRAIN, 7);
+# BENCH_SCALE_REAL_DRAIN=0 skips it. About 12 minutes at the defaults on a 2-core machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/venv.sh requirements-dev.txt
@@ -25,3 +27,6 @@ psql "$PG/postgres" -qc "CREATE DATABASE $DB" >/dev/null
 .venv/bin/python -c "import redis,os; redis.Redis.from_url(os.environ['REDIS_URL']).flushdb()"
 .venv/bin/python manage.py migrate -v 0
 .venv/bin/python -m bench.scale
+if [ "${BENCH_SCALE_REAL_DRAIN:-1}" != 0 ]; then
+  (unset DATABASE_URL REDIS_URL RELAY_BATCH_PAYLOAD_DIR; .venv/bin/python -m bench.scale_drain)
+fi
