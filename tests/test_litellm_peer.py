@@ -15,10 +15,7 @@ access log kept so the paths LiteLLM called can be checked; the fake upstream ru
 
 import json
 import os
-import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import textwrap
 import time
@@ -30,8 +27,7 @@ import requests
 
 from batches.models import Batch
 from relay.demo_upstream import canned
-from relay.webserver import WORKERS, gunicorn_argv
-from tests.workers import ROOT, database_url, wait_for
+from tests.workers import ROOT, free_port, production_web, stop_process_group, wait_for
 from usage.models import UsageEvent
 
 VENV = Path(os.environ.get("BENCH_LITELLM_VENV") or ROOT / ".bench-venv-litellm")
@@ -63,57 +59,13 @@ LITELLM_ENV = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=20)
-    except ProcessLookupError:
-        pass
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
-
-
 @pytest.fixture(scope="module")
 def web(django_db_setup, django_db_blocker):
     """The production web server (relay.webserver's argv) on the test database, its access log kept."""
     from django.db import connection
 
-    port = _free_port()
-    log = tempfile.NamedTemporaryFile(prefix="relay-web-litellm-", suffix=".log")  # noqa: SIM115 - closed below
-    env = dict(os.environ, DATABASE_URL=database_url(connection.settings_dict), LOG_LEVEL="INFO")
-    proc = subprocess.Popen(
-        gunicorn_argv(sys.executable, f"127.0.0.1:{port}", access_log=True),
-        env=env,
-        cwd=ROOT,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-
-    def up():
-        try:
-            return requests.get(url + "/healthz", timeout=2).status_code == 200
-        except requests.RequestException:
-            return False
-
-    def warmed() -> int:
-        return sum("web worker warmed up" in line for line in Path(log.name).read_text().splitlines())
-
-    try:
-        wait_for(up, 60, interval=0.3, what="gunicorn to answer /healthz")
-        wait_for(lambda: warmed() >= WORKERS, 60, interval=0.05, what="every web worker to warm up")
-        yield url, Path(log.name)
-    finally:
-        _stop(proc)
-        log.close()
+    with production_web(connection.settings_dict, log_prefix="relay-web-litellm-", access_log=True) as server:
+        yield server.url, server.log
 
 
 def access_lines(log: Path, since: int) -> list[str]:
@@ -279,7 +231,7 @@ def litellm_proxy(web, catalog, tmp_path):
     url, _ = web
     config = tmp_path / "litellm.yaml"
     config.write_text(proxy_config(url, catalog.key))
-    port = _free_port()
+    port = free_port()
     log = open(tmp_path / "litellm.log", "w+b")  # noqa: SIM115 - closed below
     env = dict(LITELLM_ENV)
     args = [str(PROXY), "--config", str(config), "--host", "127.0.0.1", "--port", str(port)]
@@ -310,7 +262,7 @@ def litellm_proxy(web, catalog, tmp_path):
         print(f"LiteLLM proxy ready in {time.monotonic() - started:.1f} s")  # noqa: T201 - for the report
         yield proxy, output
     finally:
-        _stop(proc)
+        stop_process_group(proc)
         log.close()
 
 

@@ -6,78 +6,27 @@ process is closed by the test itself.
 """
 
 import json
-import os
-import signal
 import socket
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 
 import pytest
 import requests
 
-from relay.webserver import WORKERS, gunicorn_argv
-from tests.workers import ROOT, database_url, wait_for
+from relay.webserver import WORKERS
+from tests.workers import production_web, wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 SLOW_CONNECTIONS = 16
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def web(django_db_setup, django_db_blocker):
     from django.db import connection
 
-    port = _free_port()
-    log = tempfile.NamedTemporaryFile(prefix="relay-web-", suffix=".log")  # noqa: SIM115 - closed below
-    env = dict(
-        os.environ,
-        DATABASE_URL=database_url(connection.settings_dict),
-        LOG_LEVEL="INFO",
-        # Short body-read limits so the test sees a slow body refused (408) in seconds.
-        RELAY_BODY_READ_SECONDS="3",
-        RELAY_BODY_IDLE_SECONDS="2",
-    )
-    proc = subprocess.Popen(
-        gunicorn_argv(sys.executable, f"127.0.0.1:{port}", access_log=False),
-        env=env,
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=log,
-        start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-
-    def up():
-        try:
-            return requests.get(url + "/healthz", timeout=2).status_code == 200
-        except requests.RequestException:
-            return False
-
-    def warmed() -> int:
-        return sum("web worker warmed up" in line for line in Path(log.name).read_text().splitlines())
-
-    try:
-        wait_for(up, 60, interval=0.3, what="gunicorn to answer /healthz")
-        # Every worker up before the first test runs (inside its lock): a worker still warming up while
-        # the suite's `alone` test restarts PostgreSQL would find no database for its catalog.
-        wait_for(lambda: warmed() >= WORKERS, 60, interval=0.05, what="every web worker to warm up")
-        yield url, port, Path(log.name)
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
-        log.close()
+    # Short body-read limits so the test sees a slow body refused (408) in seconds.
+    limits = {"RELAY_BODY_READ_SECONDS": "3", "RELAY_BODY_IDLE_SECONDS": "2"}
+    with production_web(connection.settings_dict, log_prefix="relay-web-", env=limits) as server:
+        yield server.url, server.port, server.log
 
 
 def _slow_connection(port: int, key: str, path: str = "/v1/chat/completions") -> socket.socket:

@@ -6,15 +6,9 @@ Every wait is bounded and every socket, thread and process is closed by the test
 """
 
 import json
-import os
-import signal
 import socket
-import subprocess
-import sys
-import tempfile
 import threading
 import time
-from pathlib import Path
 
 import anthropic
 import openai
@@ -23,9 +17,8 @@ import requests
 
 from relay import streaming
 from relay.demo_upstream import Reply, canned
-from relay.webserver import WORKERS, gunicorn_argv
 from tests import factories
-from tests.workers import ROOT, database_url, wait_for
+from tests.workers import production_web, wait_for
 from usage.models import UsageEvent
 
 CHAT = {"model": "gpt-4o", "messages": [{"role": "user", "content": "stream this to me"}]}
@@ -33,51 +26,13 @@ MESSAGES = {"model": "claude-sonnet", "max_tokens": 64, "messages": [{"role": "u
 CONCURRENT_STREAMS = 200
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def web(django_db_setup, django_db_blocker):
     """The production web server (gunicorn, relay.webserver's argv) on the test database."""
     from django.db import connection
 
-    port = _free_port()
-    log = tempfile.NamedTemporaryFile(prefix="relay-web-stream-", suffix=".log")  # noqa: SIM115 - closed below
-    env = dict(os.environ, DATABASE_URL=database_url(connection.settings_dict), LOG_LEVEL="INFO")
-    proc = subprocess.Popen(
-        gunicorn_argv(sys.executable, f"127.0.0.1:{port}", access_log=False),
-        env=env,
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=log,
-        start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-
-    def up():
-        try:
-            return requests.get(url + "/healthz", timeout=2).status_code == 200
-        except requests.RequestException:
-            return False
-
-    def warmed() -> int:
-        return sum("web worker warmed up" in line for line in Path(log.name).read_text().splitlines())
-
-    try:
-        wait_for(up, 60, interval=0.3, what="gunicorn to answer /healthz")
-        wait_for(lambda: warmed() >= WORKERS, 60, interval=0.05, what="every web worker to warm up")
-        yield url, Path(log.name)
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
-        log.close()
+    with production_web(connection.settings_dict, log_prefix="relay-web-stream-") as server:
+        yield server.url, server.log
 
 
 def event_of(request_id: str, timeout: float = 10) -> UsageEvent:

@@ -6,12 +6,15 @@ The relay's background processes are started exactly as in production
 lease/heartbeat/sweep settings so crash recovery is observable in seconds.
 """
 
+import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from relay.processes import fleet
@@ -128,3 +131,68 @@ def wait_for(predicate, timeout: float, interval: float = 0.2, what: str = "cond
             return value
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stop_process_group(proc: subprocess.Popen) -> None:
+    """SIGTERM to the process's whole group (it was started in a session of its own), SIGKILL after 20 s."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=20)
+    except ProcessLookupError:
+        pass
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
+@dataclass
+class Web:
+    url: str
+    port: int
+    log: Path
+
+
+@contextlib.contextmanager
+def production_web(settings_dict: dict, *, log_prefix: str, access_log: bool = False, env: dict | None = None):
+    """The production web server (gunicorn with relay.webserver's argv: embedded mode's and compose's) on the
+    test database, on a free port; yields once it answers /healthz and every web worker has warmed up
+    (a worker still warming up when a test restarts PostgreSQL would find no database for its catalog).
+    Its log (stderr, and the access log when `access_log`) is in `Web.log`."""
+    import requests
+
+    from relay.webserver import WORKERS, gunicorn_argv
+
+    port = free_port()
+    log = tempfile.NamedTemporaryFile(prefix=log_prefix, suffix=".log")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(
+        gunicorn_argv(sys.executable, f"127.0.0.1:{port}", access_log=access_log),
+        env=dict(os.environ, DATABASE_URL=database_url(settings_dict), LOG_LEVEL="INFO", **(env or {})),
+        cwd=ROOT,
+        stdout=log if access_log else subprocess.DEVNULL,
+        stderr=subprocess.STDOUT if access_log else log,
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+
+    def up():
+        try:
+            return requests.get(url + "/healthz", timeout=2).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def warmed() -> int:
+        return sum("web worker warmed up" in line for line in Path(log.name).read_text().splitlines())
+
+    try:
+        wait_for(up, 60, interval=0.3, what="gunicorn to answer /healthz")
+        wait_for(lambda: warmed() >= WORKERS, 60, interval=0.05, what="every web worker to warm up")
+        yield Web(url, port, Path(log.name))
+    finally:
+        stop_process_group(proc)
+        log.close()
