@@ -90,12 +90,44 @@ def _call(target: Target, method: str, path: str, *, data=None, headers=None, st
     resp = upstream.exchange(
         method, target.url(path), headers={**target.headers(), **(headers or {})}, data=data, stream=stream
     )
+    return _accepted(resp, stream)
+
+
+def _accepted(resp, stream: bool):
+    """`resp`, unless the provider refused it (status ≥ 400): then Refused, with its body and Retry-After."""
     if resp.status_code >= 400:
         body = resp.content if not stream else resp.raw.read(8192, decode_content=True)
         resp.close()
-        retry = parse_retry_after(resp.headers.get("retry-after"))
-        raise Refused(resp.status_code, body, retry)
+        raise Refused(resp.status_code, body, parse_retry_after(resp.headers.get("retry-after")))
     return resp
+
+
+def _jsonl(resp, parse) -> Iterator[Result]:
+    """Each non-blank line of a streamed results file, parsed; the response is closed however it ends."""
+    try:
+        for line in resp.iter_lines():
+            if line.strip():
+                yield parse(line)
+    finally:
+        resp.close()
+
+
+def _find_listed(target: Target, path: str, cursor: str, since, matches, next_after) -> str | None:
+    """The id of the first batch on the provider's list (newest first, FIND_PAGES pages of 100 at most) that
+    `matches`, looking no further back than `since`. `cursor` names the list's paging parameter and
+    `next_after(page, rows)` gives its next value."""
+    after = None
+    for _ in range(FIND_PAGES):
+        query = "?limit=100" + (f"&{cursor}={after}" if after else "")
+        page = _json(_call(target, "GET", f"{path}{query}"))
+        rows = [r for r in page.get("data") or [] if isinstance(r, dict)]
+        for row in rows:
+            if matches(row):
+                return row.get("id")
+        if not page.get("has_more") or not rows or _created(rows[-1]) < since:
+            return None
+        after = next_after(page, rows)
+    return None
 
 
 def _json(resp) -> dict:
@@ -202,29 +234,16 @@ def openai_status(target: Target, upstream_id: str) -> Status:
 def openai_find(target: Target, job) -> str | None:
     """The upstream batch whose metadata names the job (its create answer was lost), if the provider has it."""
     since = (job.submit_started_at or job.created_at) - FIND_WINDOW
-    after = None
-    for _ in range(FIND_PAGES):
-        query = "?limit=100" + (f"&after={after}" if after else "")
-        page = _json(_call(target, "GET", f"/v1/batches{query}"))
-        rows = [r for r in page.get("data") or [] if isinstance(r, dict)]
-        for row in rows:
-            if (row.get("metadata") or {}).get("relay_job") == str(job.id) and row.get("status") != "failed":
-                return row.get("id")
-        if not page.get("has_more") or not rows or _created(rows[-1]) < since:
-            return None
-        after = rows[-1].get("id")
-    return None
+
+    def matches(row: dict) -> bool:
+        return (row.get("metadata") or {}).get("relay_job") == str(job.id) and row.get("status") != "failed"
+
+    return _find_listed(target, "/v1/batches", "after", since, matches, lambda page, rows: rows[-1].get("id"))
 
 
 def openai_results(target: Target, status: Status) -> Iterator[Result]:
     for file_id in status.sources:
-        resp = _call(target, "GET", f"/v1/files/{file_id}/content", stream=True)
-        try:
-            for line in resp.iter_lines():
-                if line.strip():
-                    yield _openai_line(line)
-        finally:
-            resp.close()
+        yield from _jsonl(_call(target, "GET", f"/v1/files/{file_id}/content", stream=True), _openai_line)
 
 
 def _openai_line(line: bytes) -> Result:
@@ -289,34 +308,25 @@ def anthropic_status(target: Target, upstream_id: str) -> Status:
 def anthropic_find(target: Target, job) -> str | None:
     """A message batch made within the window of the job's send with exactly its number of requests."""
     since = (job.submit_started_at or job.created_at) - timedelta(seconds=5)
-    after = None
-    for _ in range(FIND_PAGES):
-        query = "?limit=100" + (f"&after_id={after}" if after else "")
-        page = _json(_call(target, "GET", f"/v1/messages/batches{query}"))
-        rows = [r for r in page.get("data") or [] if isinstance(r, dict)]
-        for row in rows:
-            counts = row.get("request_counts") if isinstance(row.get("request_counts"), dict) else {}
-            if _created(row) >= since and sum(_int(v) for v in counts.values()) == job.records:
-                return row.get("id")
-        if not page.get("has_more") or not rows or _created(rows[-1]) < since:
-            return None
-        after = page.get("last_id") or rows[-1].get("id")
-    return None
+
+    def matches(row: dict) -> bool:
+        counts = row.get("request_counts") if isinstance(row.get("request_counts"), dict) else {}
+        return _created(row) >= since and sum(_int(v) for v in counts.values()) == job.records
+
+    return _find_listed(
+        target,
+        "/v1/messages/batches",
+        "after_id",
+        since,
+        matches,
+        lambda page, rows: page.get("last_id") or rows[-1].get("id"),
+    )
 
 
 def anthropic_results(target: Target, status: Status) -> Iterator[Result]:
-    for url in status.sources:
+    for url in status.sources:  # results_url is absolute: not a path under the target
         resp = upstream.exchange("GET", url, headers=target.headers(), stream=True)
-        if resp.status_code >= 400:
-            body = resp.raw.read(8192, decode_content=True)
-            resp.close()
-            raise Refused(resp.status_code, body, parse_retry_after(resp.headers.get("retry-after")))
-        try:
-            for line in resp.iter_lines():
-                if line.strip():
-                    yield _anthropic_line(line)
-        finally:
-            resp.close()
+        yield from _jsonl(_accepted(resp, stream=True), _anthropic_line)
 
 
 def _anthropic_line(line: bytes) -> Result:
