@@ -28,18 +28,12 @@ import time
 import uuid
 
 from bench import harness
-from bench.measure import machine, percentile, table
+from bench.measure import cpu_seconds, machine, percentile, table
 
 SIZES = [int(s) for s in (os.environ.get("BENCH_SCALE_SIZES") or "2000,1000000").split(",")]
 DRAIN = harness.env_int("BENCH_SCALE_DRAIN", 1000)
 BATCHES = 20
 TENANTS = 5
-
-
-def _backend_cpu(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _tenants(upstream_url: str) -> list:
@@ -128,7 +122,7 @@ def _drain(principal, pg_pid: int) -> dict:
 
     batch = _submit(principal, DRAIN)
     claim_ms, run_ms = [], []
-    cpu0, pg0 = time.process_time(), _backend_cpu(pg_pid)
+    cpu0, pg0 = time.process_time(), cpu_seconds(pg_pid)
     n = 0
     while True:
         t0 = time.perf_counter()
@@ -142,7 +136,7 @@ def _drain(principal, pg_pid: int) -> dict:
         run_ms.append((t2 - t1) * 1000)
         n += 1
     cpu = time.process_time() - cpu0
-    pg = _backend_cpu(pg_pid) - pg0
+    pg = cpu_seconds(pg_pid) - pg0
     batch.refresh_from_db()
     return {
         "items": n,
