@@ -49,7 +49,7 @@ started AS (
     UPDATE batches_batch SET status = 'running'
     WHERE id = (SELECT batch_id FROM claimed) AND surface = 'native' AND status = 'queued'
 )
-SELECT {pending} AS pending, claimed.*,
+SELECT {pending} AS pending, {columns},
        CASE WHEN %(async_commit)s THEN set_config('synchronous_commit', 'off', true) END AS async_commit
 FROM (SELECT 1) AS one LEFT JOIN claimed ON true
 """
@@ -74,10 +74,18 @@ _CHECK_PENDING = """(%(check)s::uuid IS NULL OR claimed.batch_id = %(check)s::uu
         ORDER BY idx LIMIT 1) IS NOT NULL
     OR EXISTS (SELECT 1 FROM batches_item WHERE batch_id = %(check)s::uuid AND state = 'delegated'))"""
 # One statement in the usual case: the fairest batch and its next item.
-_CLAIM_FAIREST_SQL = _CLAIM_TEMPLATE.format(pick=_FAIR_ORDER + " LIMIT 1", pending=_CHECK_PENDING)
+# The claimed item's columns by name (a function behind a pooler returns named, typed columns: `_RESULT`).
+_ITEM_COLUMNS = [f.column for f in Item._meta.concrete_fields]
+_COLUMNS = ", ".join(f'claimed."{c}"' for c in _ITEM_COLUMNS)
+_RESULT = [
+    ("pending", "boolean"),
+    *zip(_ITEM_COLUMNS, sql.column_types(Item, _ITEM_COLUMNS), strict=True),
+    ("async_commit", "text"),
+]
+_CLAIM_FAIREST_SQL = _CLAIM_TEMPLATE.format(pick=_FAIR_ORDER + " LIMIT 1", pending=_CHECK_PENDING, columns=_COLUMNS)
 # When the fairest batch had nothing to run now (its items all running or waiting): the next ones.
 _CLAIMABLE_BATCHES_SQL = _FAIR_ORDER + " LIMIT 20"
-_CLAIM_IN_BATCH_SQL = _CLAIM_TEMPLATE.format(pick="SELECT %(batch)s::uuid AS id", pending="true")
+_CLAIM_IN_BATCH_SQL = _CLAIM_TEMPLATE.format(pick="SELECT %(batch)s::uuid AS id", pending="true", columns=_COLUMNS)
 
 
 def claim(owner: str, floor: tuple | None = None, check=None) -> Item | None:
@@ -125,8 +133,14 @@ def claim(owner: str, floor: tuple | None = None, check=None) -> Item | None:
 
 
 _CLAIM_STATEMENTS = {
-    _CLAIM_FAIREST_SQL: ("relay_claim_fairest", *sql.statement_forms("relay_claim_fairest", _CLAIM_FAIREST_SQL)),
-    _CLAIM_IN_BATCH_SQL: ("relay_claim_in_batch", *sql.statement_forms("relay_claim_in_batch", _CLAIM_IN_BATCH_SQL)),
+    _CLAIM_FAIREST_SQL: (
+        "relay_claim_fairest",
+        *sql.statement_forms("relay_claim_fairest", _CLAIM_FAIREST_SQL, _RESULT),
+    ),
+    _CLAIM_IN_BATCH_SQL: (
+        "relay_claim_in_batch",
+        *sql.statement_forms("relay_claim_in_batch", _CLAIM_IN_BATCH_SQL, _RESULT),
+    ),
 }
 _item_columns: tuple | None = None
 
@@ -158,8 +172,7 @@ def _claim_one(statement: str, params: dict) -> tuple[Item | None, bool]:
             cursor.execute(execute, {**params, "async_commit": True})
         else:
             if front.name not in prepared:
-                cursor.execute(front.prepare)
-                prepared.add(front.name)
+                sql.ensure(cursor, prepared, front.name, front.prepare)
             values = {**params, "async_commit": False}
             cursor.execute(f"{front.execute};\n{positional}", [*front.params, *(values[n] for n in used)])
             front.sent = True  # committed: autocommit ends the implicit transaction with the query string

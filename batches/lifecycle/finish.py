@@ -81,12 +81,9 @@ def finish_item_at_once(
 
     def write() -> bool:
         with connection.cursor() as cursor:
-            # Behind a transaction pooler every name reads as prepared and `execute` is the statement
-            # itself (sql.POOLED): nothing is prepared.
             prepared = sql.prepared_on.setdefault(connection.connection, set())
-            if name not in prepared:
-                cursor.execute(prepare)  # PREPARE is not undone by a rollback: once per connection
-                prepared.add(name)
+            if name not in prepared:  # its PREPARE, or its function behind a pooler
+                sql.ensure(cursor, prepared, name, prepare)
             cursor.execute(execute, params)
             won = cursor.fetchone()[0] > 0
         if won and check_done:

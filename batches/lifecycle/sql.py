@@ -4,8 +4,10 @@ text built once per shape. PostgreSQL only; SQLite (embedded mode) takes the ORM
 
 Behind a transaction-mode pooler (DATABASE_POOLER=transaction, docs/pooler.md) nothing is prepared: a
 statement prepared on one server connection is not there for the next transaction, which the pooler may
-give another. The same statements are sent whole (psycopg2 interpolates the parameters on the client),
-and the claim's planner settings go with it as SET LOCAL (`POOLED` below)."""
+give another. Each hot statement is a PL/pgSQL function instead (`PooledFunction`), created once per
+database: PostgreSQL caches a function's plans per server connection, whichever client calls it, so the
+claim and the finish are planned once per server connection as their prepared forms are, and the
+pooler carries nothing."""
 
 import hashlib
 import re
@@ -13,7 +15,7 @@ import weakref
 
 from django.apps import apps
 from django.conf import settings
-from django.db import connection, models
+from django.db import DatabaseError, connection, models, transaction
 
 from batches.models import Item
 from usage.models import UsageEvent
@@ -35,49 +37,92 @@ PARAM_TYPES = {
 POOLED = settings.DATABASES["default"].get("POOLER") == "transaction"
 
 
-class _SentWhole:
-    """Behind a transaction pooler: every statement is sent whole, so each reads as ready on every
-    connection and none is ever prepared (`name in prepared_on.setdefault(conn, …)` is always true)."""
+# DB-API connection → names of the statements ready on it: prepared (direct) or whose function was
+# found or created (behind a pooler).
+prepared_on = weakref.WeakKeyDictionary()
 
-    def __contains__(self, name) -> bool:
-        return True
-
-    def add(self, name) -> None:
-        pass
-
-
-class _NothingPrepared:
-    ready = _SentWhole()
-
-    def setdefault(self, conn, default=None) -> _SentWhole:
-        return self.ready
-
-    def __getitem__(self, conn) -> _SentWhole:
-        return self.ready
+# Behind a pooler the claim's function is planned under the settings its prepared form is planned with
+# (below: no sort where an index gives the order, no JIT, one generic plan): a function's SET clause
+# holds them while it runs, its planning included, and restores them at its exit. The finish's, like
+# the prepared finish, one generic plan (the session setting `prepare` makes on a direct connection).
+CLAIM_SETTINGS = (("enable_sort", "off"), ("jit", "off"), ("plan_cache_mode", "force_generic_plan"))
+FINISH_SETTINGS = (("jit", "off"), ("plan_cache_mode", "force_generic_plan"))
 
 
-# DB-API connection → names of the statements prepared on it.
-prepared_on = _NothingPrepared() if POOLED else weakref.WeakKeyDictionary()
+class PooledFunction:
+    """A statement as a PL/pgSQL function: `RETURN QUERY` of the statement, its parameters typed, its
+    result columns named. PL/pgSQL plans the statement at its first run on a server connection and keeps
+    the plan there for every later call, from any client: behind a transaction pooler, where a prepared
+    statement cannot outlive its transaction, that is the plan cache that survives (measured:
+    docs/pooler.md, bench/pooler.py). The function's name is a digest of its whole definition, so a
+    change to the statement, a type or a setting makes a new function, never a stale one; it is created
+    once per database (`create`), by whichever process needs it first."""
 
-# Behind a pooler the claim is planned at every run, with the values it runs with (a custom plan), under
-# the settings its prepared form is planned with (below: no sort where an index gives the order, no JIT).
-# SET LOCAL: they end with the claim's own transaction (an implicit one: the settings, the claim and
-# a finish sent in front of it are one query string).
-PLAN_SETTINGS = "SET LOCAL enable_sort = off; SET LOCAL jit = off;\n"
+    __slots__ = ("name", "ddl", "params")
+
+    def __init__(self, body: str, params: list[str], columns: list[tuple[str, str]], settings: tuple):
+        sets = " ".join(f"SET {k} = {v}" for k, v in settings)
+        returns = ", ".join(f"{connection.ops.quote_name(n)} {t}" for n, t in columns)
+        # use_column: a result column (an OUT variable of the function) named like a table's column (id,
+        # state…) would otherwise make that name ambiguous inside the statement.
+        definition = (
+            f"({', '.join(params)}) RETURNS TABLE({returns}) LANGUAGE plpgsql VOLATILE {sets} AS $relay$\n"
+            f"#variable_conflict use_column\nBEGIN\nRETURN QUERY {body};\nEND\n$relay$"
+        )
+        self.name = "relay_fn_" + hashlib.blake2b(definition.encode(), digest_size=10).hexdigest()
+        self.ddl = f"CREATE FUNCTION {self.name}{definition}"
+        self.params = params
+
+    def call(self, named: tuple[str, ...] = ()) -> str:
+        """The call, with a positional %s per parameter or the %(name)s parameters `named`. Each is cast
+        to its parameter's type: a call resolves its function by its arguments' types, and psycopg2's
+        literals have theirs (an integer is no smallint)."""
+        args = [f"%({a})s" for a in named] if named else ["%s"] * len(self.params)
+        return f"SELECT * FROM {self.name}({', '.join(f'{a}::{t}' for a, t in zip(args, self.params, strict=True))})"
+
+    def create(self, cursor) -> None:
+        """Create the function unless it exists. Its own transaction (or a savepoint, inside one): two
+        processes creating it at once collide on pg_proc's unique name; the loser finds it made."""
+        cursor.execute("SELECT to_regproc(%s) IS NOT NULL", [self.name])
+        if cursor.fetchone()[0]:
+            return
+        try:
+            with transaction.atomic():
+                cursor.execute(self.ddl)
+        except DatabaseError:
+            cursor.execute("SELECT to_regproc(%s) IS NOT NULL", [self.name])
+            if not cursor.fetchone()[0]:
+                raise
+
+
+def ensure(cursor, prepared: set, name: str, prepare) -> None:
+    """Make statement `name` ready on this connection: PREPARE it (direct: not undone by a rollback, so
+    once per connection) or find or create its function (behind a pooler). A function created inside a
+    transaction that may still roll back (a test's) is not remembered: it is looked for again next time."""
+    if isinstance(prepare, PooledFunction):
+        prepare.create(cursor)
+        if connection.in_atomic_block:
+            return
+    else:
+        cursor.execute(prepare)
+    prepared.add(name)
+
+
 _PARAM = re.compile(r"%\((\w+)\)s")
 
 
-def statement_forms(name: str, sql: str) -> tuple[str, str, str, tuple[str, ...]]:
+def statement_forms(name: str, sql: str, columns: list[tuple[str, str]]) -> tuple:
     """(PREPARE, EXECUTE, the EXECUTE with positional %s, their parameters' names) of a statement written
     with %(name)s parameters (those of PARAM_TYPES). The positional form goes behind a held finish.
-    Behind a pooler: ("", the statement itself with its planner settings, the same with positional %s,
-    the name of each %s in order)."""
-    if POOLED:
-        return "", PLAN_SETTINGS + sql, PLAN_SETTINGS + _PARAM.sub("%s", sql), tuple(_PARAM.findall(sql))
+    `columns`: the statement's result, (name, type) each, for its function behind a pooler, where PREPARE
+    is its `PooledFunction` and the EXECUTEs are calls of it."""
     used = [n for n in PARAM_TYPES if f"%({n})s" in sql]
     body = sql
     for i, n in enumerate(used, 1):
         body = body.replace(f"%({n})s", f"${i}")
+    if POOLED:
+        fn = PooledFunction(body, [PARAM_TYPES[n] for n in used], columns, CLAIM_SETTINGS)
+        return fn, fn.call(tuple(used)), fn.call(), tuple(used)
     types = ", ".join(PARAM_TYPES[n] for n in used)
     return (
         f"PREPARE {name}({types}) AS {body}",
@@ -100,7 +145,8 @@ PLAN_PARAMS = dict.fromkeys(PARAM_TYPES) | {"owner": "", "floor": 0}
 
 
 def prepare(cursor, prepared: set, name: str, prepare: str, execute: str) -> None:
-    if POOLED:  # nothing to prepare (`statement_forms`); `prepared_on` never asks for it
+    if POOLED:  # its function, planned under CLAIM_SETTINGS at its first run on each server connection
+        ensure(cursor, prepared, name, prepare)
         return
     cursor.execute(prepare)  # PREPARE is not undone by a rollback: once per connection
     cursor.execute("SET plan_cache_mode = force_generic_plan")
@@ -172,11 +218,12 @@ def finish_shape(names: tuple[str, ...], rows: tuple[tuple[str, tuple[str, ...]]
         f"fin AS (UPDATE {qn(opts.db_table)} SET {assign} "
         "WHERE id = %s AND state = %s AND lease_owner = %s AND attempt = %s RETURNING 1)"
     ]
-    n = len(names) + 4
-    for i, (sql, values) in enumerate(row_inserts([(t, list(c), c) for t, c in rows], " FROM fin", typed=True)):
+    types = [*_types_of(opts.db_table, [f.column for f in item_fields])]  # a copy: the lists are cached
+    types += _types_of(opts.db_table, ["id", "state", "lease_owner", "attempt"])
+    for i, (sql, _) in enumerate(row_inserts([(t, list(c), c) for t, c in rows], " FROM fin", typed=True)):
         parts.append(f"w{i} AS ({sql})")
-        n += len(values)
-    statement = _finish_statement("WITH " + ",\n".join(parts) + "\nSELECT count(*) FROM fin", n)
+        types += _types_of(*rows[i])
+    statement = _finish_statement("WITH " + ",\n".join(parts) + "\nSELECT count(*) FROM fin", types)
     # DateTimeField is not passed through here: a naive datetime gets get_db_prep_save's warning and zone.
     preps = tuple(
         None if isinstance(f, _PLAIN_FIELDS) and not isinstance(f, models.DateTimeField) else f.get_db_prep_save
@@ -191,24 +238,32 @@ def finish_shape(names: tuple[str, ...], rows: tuple[tuple[str, tuple[str, ...]]
 _finish_shapes: dict = {}
 
 
-def _finish_statement(sql: str, n: int) -> tuple[str, str, str]:
-    """(name, PREPARE, EXECUTE) of a finish statement written with `n` %s parameters. A server-side
+def _finish_statement(sql: str, types: list[str]) -> tuple:
+    """(name, PREPARE, EXECUTE) of a finish statement written with a %s parameter per type. A server-side
     prepared statement, as the claims are: the finish's text (an UPDATE and two INSERTs, ~60 columns)
     was parsed, analysed and planned at every item (perf of the PostgreSQL backends: `base_yyparse`
     and the planner among their top symbols). Its shapes are few (the fields a final state sets, the
     number of usage events; `_finish_shape` keeps each); the name is the text's digest, the same in
-    every process and thread."""
+    every process and thread. Behind a pooler: its function (`PooledFunction`) and a call of it."""
     name = "relay_finish_" + hashlib.blake2b(sql.encode(), digest_size=10).hexdigest()
     pieces = sql.split("%s")
+    n = len(types)
     if len(pieces) != n + 1:
         raise ValueError(f"finish statement: {len(pieces) - 1} placeholders for {n} parameters")
-    if POOLED:  # sent whole, its values interpolated by psycopg2
-        return name, "", sql
     body = pieces[0] + "".join(f"${i}{piece}" for i, piece in enumerate(pieces[1:], 1))
+    if POOLED:
+        fn = PooledFunction(body, types, [("finished", "bigint")], FINISH_SETTINGS)
+        return name, fn, fn.call()
     return name, f"PREPARE {name} AS {body}", f"EXECUTE {name}({', '.join(['%s'] * n)})"
 
 
 _column_types: dict = {}
+
+
+def column_types(model, columns: list[str]) -> list[str]:
+    """The types of `model`'s columns, without a length (see `_types_of`)."""
+    by_column = {f.column: f for f in model._meta.concrete_fields}
+    return [re.sub(r"\(\d+\)$", "", by_column[c].db_type(connection)) for c in columns]
 
 
 def _types_of(table: str, columns: list[str]) -> list[str]:
@@ -219,8 +274,7 @@ def _types_of(table: str, columns: list[str]) -> list[str]:
     types = _column_types.get(key)
     if types is None:
         model = next(m for m in apps.get_models() if m._meta.db_table == table)
-        by_column = {f.column: f for f in model._meta.concrete_fields}
-        types = _column_types[key] = [re.sub(r"\(\d+\)$", "", by_column[c].db_type(connection)) for c in columns]
+        types = _column_types[key] = column_types(model, columns)
     return types
 
 
