@@ -4,9 +4,10 @@ OpenAI-surface batches show their own fields too: the batch_… id, endpoint,
 input/output/error files (linked), metadata, validation errors, and each
 item's custom_id; Anthropic-surface batches their msgbatch_… id, expiry and
 cancel times. The `surface` column and filter say where each batch came from.
-Files of the OpenAI surface have their own read-only pages. A batch made by retry_failed links to
-the batch it re-runs, and that one to its retries; the "retry failed records" action makes one
-through the same service as the API (batches/surfaces/retry.py).
+Files of the OpenAI surface have their own read-only pages. An ended OpenAI batch whose items retention
+removed (batches/retention.py) shows the counts frozen on its row instead, and when they went. A batch
+made by retry_failed links to the batch it re-runs, and that one to its retries; the "retry failed
+records" action makes one through the same service as the API (batches/surfaces/retry.py).
 """
 
 import contextlib
@@ -184,6 +185,8 @@ class BatchAdmin(ViewOnlyAdmin):
         "cancelled_at",
         "discount_percent",
         "idempotency_key",
+        "items_pruned_at",
+        "frozen_counts",
     )
     # completed_at is the message batch's ended_at; cancelling_at its cancel_initiated_at.
     _anthropic_fields = ("shown_id", "expires_at", "expired_at", "cancelling_at", "discount_percent")
@@ -264,6 +267,10 @@ class BatchAdmin(ViewOnlyAdmin):
 
     @admin.display(description="progress (completed / discarded / cancelled / running / available)")
     def progress(self, obj):
+        if obj.frozen_counts is not None:
+            # Retention removed (or is removing) its items: the counts they had, as its API shows them.
+            counts = tuple(obj.frozen_counts.get(s, 0) for s in _BAR_STATES)
+            return progress_bar(counts, " / ".join(str(n) for n in counts) + " (items removed by retention)")
         by_state = getattr(obj, "item_counts", None)
         if by_state is None:  # the change page: this batch's alone
             by_state = _item_counts([obj.pk]).get(obj.pk, {})
@@ -296,6 +303,18 @@ class BatchAdmin(ViewOnlyAdmin):
 
     @admin.display(description="all items")
     def items_link(self, obj):
+        if obj.frozen_counts is not None:
+            when = obj.items_pruned_at.isoformat(timespec="seconds") if obj.items_pruned_at else "(in progress)"
+            frozen = obj.frozen_at.isoformat(timespec="seconds") if obj.frozen_at else "?"
+            if obj.surface == Surface.ANTHROPIC:
+                return (
+                    f"archived {frozen}, items removed {when} (RELAY_ANTHROPIC_RESULTS_RETENTION_SECONDS): its "
+                    "results are no longer available"
+                )
+            return (
+                f"counts frozen {frozen}, items removed {when} (RELAY_OPENAI_ITEM_RETENTION_SECONDS): the output "
+                "and error files hold the results"
+            )
         url = reverse("admin:batches_item_changelist")
         return format_html('<a href="{}?batch__id__exact={}">browse all {} items</a>', url, obj.pk, obj.total_items)
 

@@ -95,6 +95,12 @@ ANTHROPIC_STATUS_STAMP = {
 # Batches whose available items a worker may claim. A validating OpenAI batch
 # has no items yet; a cancelling or finalizing one starts no new work.
 CLAIMABLE_STATUSES = (BatchStatus.QUEUED, BatchStatus.RUNNING, BatchStatus.IN_PROGRESS)
+# OpenAI statuses after which nothing changes (its output and error files are written): the ones
+# whose items retention may remove (batches/retention.py).
+PRUNABLE_STATUSES = (BatchStatus.COMPLETED, BatchStatus.FAILED, BatchStatus.EXPIRED, BatchStatus.CANCELLED)
+# The same for the Anthropic surface: its `ended` statuses (lifecycle.states.ANTHROPIC_ENDED, which
+# imports this module), whose results retention archives.
+ANTHROPIC_PRUNABLE_STATUSES = (BatchStatus.COMPLETED, BatchStatus.EXPIRED, BatchStatus.CANCELLED)
 # Each OpenAI status and the timestamp that must be set while a batch is in it.
 OPENAI_STATUS_STAMP = {
     BatchStatus.IN_PROGRESS: "in_progress_at",
@@ -200,6 +206,22 @@ class Batch(models.Model):
         "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="retried_by", db_index=True
     )
 
+    # --- Item retention (batches/retention.py, `prune_items`) ---
+    # An ended OpenAI batch keeps its object but loses its items (rows and stored bodies) once past
+    # RELAY_OPENAI_ITEM_RETENTION_SECONDS: its output and error files hold the results. An ended Anthropic
+    # batch likewise once past RELAY_ANTHROPIC_RESULTS_RETENTION_SECONDS after its creation: Anthropic
+    # archives results after 29 days (its results download is refused from then on). `frozen_counts` is
+    # what its request counts were made of ({"completed", "discarded", "cancelled": items in that final
+    # state, "cancelled_expired": the cancelled ones stopped by batch_expired, "provider_done",
+    # "provider_failed": provider_progress}), written with `frozen_at` in the transaction that begins the
+    # removal; from then on every reader takes the counts from it, not the items, so a removal spread over
+    # several transactions never shows a half-counted batch (and the Anthropic surface shows `frozen_at`
+    # as `archived_at`). `items_pruned_at` is set by the transaction that removes the last item (the
+    # bodies go once it commits).
+    frozen_counts = models.JSONField(null=True, blank=True)
+    frozen_at = models.DateTimeField(null=True, blank=True)
+    items_pruned_at = models.DateTimeField(null=True, blank=True)
+
     class Meta:
         verbose_name_plural = "batches"
         indexes = [
@@ -209,6 +231,20 @@ class Batch(models.Model):
             models.Index(fields=["owner_hash", "-id"], name="batch_openai_owner", condition=Q(surface="openai")),
             # GET /v1/messages/batches: the owner's Anthropic batches, newest first.
             models.Index(fields=["owner_hash", "-id"], name="batch_anthropic_owner", condition=Q(surface="anthropic")),
+            # Item retention's look-ups: OpenAI and Anthropic batches whose items are still kept, per surface
+            # by age (the ended ones past retention are pruned, an open one that old is reported), and the
+            # few whose removal has begun but not ended (frozen, items left).
+            models.Index(
+                fields=["surface", "created_at"],
+                include=["status"],
+                name="batch_items_kept",
+                condition=Q(surface__in=["openai", "anthropic"], frozen_counts__isnull=True),
+            ),
+            models.Index(
+                fields=["id"],
+                name="batch_items_pruning",
+                condition=Q(frozen_counts__isnull=False, items_pruned_at__isnull=True),
+            ),
             # The sweeper's look-ups: open OpenAI batches (expiry, lost messages).
             models.Index(
                 fields=["status", "expires_at"],
@@ -264,6 +300,23 @@ class Batch(models.Model):
             models.CheckConstraint(condition=Q(discount_percent__lte=100), name="batch_discount_percent_range"),
             models.CheckConstraint(condition=Q(max_attempts__gte=1), name="batch_max_attempts_positive"),
             models.CheckConstraint(condition=~Q(retry_of=models.F("id")), name="batch_not_its_own_retry"),
+            # Item retention: counts are frozen only on an ended OpenAI or Anthropic batch (with the time they
+            # were), and before its items are gone.
+            models.CheckConstraint(
+                condition=Q(frozen_counts__isnull=True)
+                | Q(surface=Surface.OPENAI, status__in=[s.value for s in PRUNABLE_STATUSES])
+                | Q(surface=Surface.ANTHROPIC, status__in=[s.value for s in ANTHROPIC_PRUNABLE_STATUSES]),
+                name="batch_frozen_only_ended",
+            ),
+            models.CheckConstraint(
+                condition=Q(frozen_counts__isnull=True, frozen_at__isnull=True)
+                | Q(frozen_counts__isnull=False, frozen_at__isnull=False),
+                name="batch_frozen_at_with_counts",
+            ),
+            models.CheckConstraint(
+                condition=Q(items_pruned_at__isnull=True) | Q(frozen_counts__isnull=False),
+                name="batch_pruned_has_frozen_counts",
+            ),
             # Idempotent create: one batch per (owner, key).
             models.UniqueConstraint(
                 fields=["owner_hash", "idempotency_key"],

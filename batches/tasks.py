@@ -57,7 +57,8 @@ def provider_cancel(batch_id: str) -> None:
 
 @shared_task(name="batches.tasks.retention", ignore_result=True)
 def retention() -> dict:
-    """Expired files, native batches past RELAY_NATIVE_BATCH_RETENTION_SECONDS, stale revoked tokens."""
+    """Expired files, native batches past RELAY_NATIVE_BATCH_RETENTION_SECONDS, the items of ended OpenAI and
+    Anthropic batches past their item retention (their batch objects stay), stale revoked tokens."""
     from batches import retention as retention_
 
     return retention_.sweep()

@@ -261,6 +261,11 @@ OPERATIONS = {
                         "content": {"application/binary": {"schema": {"type": "string"}}},
                     },
                     **ANTHROPIC_ERRORS,
+                    "404": _resp(
+                        "not found, not yours, no batch access, or its results archived (archived_at set; "
+                        "error code results_archived)",
+                        "AnthropicError",
+                    ),
                 },
             },
         }.items()

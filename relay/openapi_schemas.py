@@ -385,7 +385,8 @@ SCHEMAS = {
             "expires_at": {"type": "string", "format": "date-time"},
             "ended_at": nullable({"type": "string", "format": "date-time"}),
             "cancel_initiated_at": nullable({"type": "string", "format": "date-time"}),
-            "archived_at": {"type": "null"},
+            # Set once retention archived the results (RELAY_ANTHROPIC_RESULTS_RETENTION_SECONDS).
+            "archived_at": nullable({"type": "string", "format": "date-time"}),
             "results_url": nullable(STR),
             **LINEAGE,
         },

@@ -298,6 +298,18 @@ RELAY_RETENTION_SWEEP_SECONDS = env.float("RELAY_RETENTION_SWEEP_SECONDS", defau
 # Native batches (decision 0003) finished longer ago than this are deleted with their payloads
 # (rows, request and response bodies). 0 keeps them until deleted by hand.
 RELAY_NATIVE_BATCH_RETENTION_SECONDS = env.int("RELAY_NATIVE_BATCH_RETENTION_SECONDS", default=0)
+# An ended OpenAI-surface batch (completed, failed, expired, cancelled) ended longer ago than this loses
+# its items — rows and stored request and response bodies — while its batch object stays readable with
+# its request counts frozen: its output and error files hold the results (and expire on their own, with
+# output_expires_after). 30 days by default — OpenAI's longest output_expires_after, and a month in which
+# retry_failed and the admin's per-item view still work; 0 keeps the items until the batch is deleted.
+RELAY_OPENAI_ITEM_RETENTION_SECONDS = env.int("RELAY_OPENAI_ITEM_RETENTION_SECONDS", default=30 * 24 * 3600)
+# An ended Anthropic-surface batch (processing_status `ended`) created longer ago than this has its results
+# archived, as Anthropic's are "available for 29 days after creation": its items and stored request and
+# result bodies are removed, the batch stays readable (request_counts frozen, `archived_at` set) and its
+# results download answers 404. Counted from creation, like Anthropic; a batch still open that long is left
+# alone (and logged). 29 days by default; 0 keeps the results until the batch is deleted.
+RELAY_ANTHROPIC_RESULTS_RETENTION_SECONDS = env.int("RELAY_ANTHROPIC_RESULTS_RETENTION_SECONDS", default=29 * 24 * 3600)
 # Revoked inference tokens are remembered until they would have expired anyway, plus this margin.
 RELAY_REVOKED_TOKEN_PRUNE_MARGIN_SECONDS = env.int("RELAY_REVOKED_TOKEN_PRUNE_MARGIN_SECONDS", default=3600)
 # Payload-store entries younger than this are never called orphans (an upload or ingest in flight).

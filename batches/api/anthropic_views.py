@@ -12,7 +12,6 @@ from rest_framework.views import APIView
 
 from batches import errors, intake
 from batches.api.views import _AnyAccept
-from batches.lifecycle import states
 from batches.surfaces import retry
 from batches.surfaces.anthropic import create as anthropic_create
 from batches.surfaces.anthropic import read as anthropic_read
@@ -83,11 +82,7 @@ class MessageBatchRetryFailedView(_AnthropicView):
 class MessageBatchResultsView(_AnthropicView):
     def get(self, request, batch_id):
         batch = anthropic_read.batch_for_owner(batch_id, request.user)
-        if batch.status not in states.ANTHROPIC_ENDED:
-            raise errors.invalid_anthropic(
-                f"Message batch {batch.public_id} is still {anthropic_read.processing_status(batch)}: "
-                "its results are available once processing_status is 'ended'."
-            )
+        anthropic_read.check_results(batch)  # still processing (400) or archived by retention (404)
         response = StreamingHttpResponse(anthropic_read.iter_results(batch), content_type="application/binary")
         response["Content-Disposition"] = f'attachment; filename="{batch.public_id}_results.jsonl"'
         return response

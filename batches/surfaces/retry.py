@@ -65,6 +65,8 @@ class _Surface:
     element: Callable[[Batch, str, bytes], bytes]  # (parent, custom_id, stored body) → one `requests` element
     top: Callable[[Batch, int], dict]  # the body's other keys
     create: Callable[..., Batch]  # the surface's create service: (principal, submission, retry_of=parent)
+    # Why a batch whose records retention removed cannot be retried, and where its failures are still told.
+    removed: Callable[[Batch], str] = lambda batch: f"The records of batch {batch.public_id} were removed by retention."
 
 
 def _native_ended(batch: Batch) -> bool:
@@ -123,6 +125,11 @@ SURFACES = {
         element=_openai_element,
         top=_openai_top,
         create=openai_create.create,
+        removed=lambda batch: (
+            f"The records of batch {batch.public_id} were removed by retention "
+            "(RELAY_OPENAI_ITEM_RETENTION_SECONDS after it ended): its failed records cannot be retried. Its "
+            "error file, while it has not expired, lists them; submit them again as a new batch."
+        ),
     ),
     Surface.ANTHROPIC: _Surface(
         error=lambda status, code, message: AnthropicError(status, message, code=code),
@@ -133,6 +140,10 @@ SURFACES = {
         element=_anthropic_element,
         top=lambda parent, count: {"requests": count},
         create=anthropic_create.create,
+        removed=lambda batch: (
+            f"{anthropic_read.archived_message(batch)} Its errored and expired requests cannot be retried "
+            "from it: submit them again as a new message batch."
+        ),
     ),
 }
 assert set(SURFACES) == set(Surface.values)
@@ -143,7 +154,8 @@ def retry_failed(parent: Batch, principal: Principal) -> Retried:
     `principal` (the caller, who owns `parent`; the admin passes the parent's own submitter).
 
     Errors, in the surface's envelope: the parent has not ended (409 native, 400 otherwise), has
-    nothing failed (400 nothing_to_retry), or its stored bodies are gone (410 payloads_unavailable);
+    nothing failed (400 nothing_to_retry), or its stored bodies are gone (410 payloads_unavailable: also
+    when retention has removed its records);
     a principal other than the parent's (another project's token of the same user) is a 400. Any of
     them, or the create service's own, leaves nothing written.
     """
@@ -165,6 +177,7 @@ def retry_failed(parent: Batch, principal: Principal) -> Retried:
         if locked is None:
             raise rules.error(404, "", f"No batch found with id '{parent.public_id}'.")
         _check_ended(locked, rules)
+        _check_kept(locked, rules)
         submission, parent_idx = _rebuild(locked, rules)
         with submission:
             child = rules.create(principal, submission, retry_of=locked)
@@ -181,6 +194,16 @@ def _check_ended(parent: Batch, rules: _Surface) -> None:
             f"Batch {parent.public_id} {rules.still(parent)}: only a finished batch's failed and expired "
             "records can be retried; wait until it ends.",
         )
+
+
+def _check_kept(parent: Batch, rules: _Surface) -> None:
+    """Retention removes an ended OpenAI or Anthropic batch's items, bodies included (batches/retention.py):
+    from the moment its counts are frozen (the row lock above orders this against that), nothing is left
+    to re-run. Refused as when the bodies are missing, naming the reason."""
+    if parent.frozen_counts is None:
+        return
+    log.info("batch %s: retry refused, its records were removed by retention", parent.public_id)
+    raise rules.error(410, "payloads_unavailable", rules.removed(parent))
 
 
 def _failed(parent: Batch, rules: _Surface) -> Q:

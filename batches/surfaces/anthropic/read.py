@@ -4,14 +4,25 @@ streamed from the items; and cancel and delete, which answer with the batch as i
 Statuses map onto Anthropic's `processing_status`:
 
     in_progress → in_progress     cancelling → canceling     completed | expired | cancelled → ended
+
+Archived batches: Anthropic keeps results for 29 days after creation, then the batch "may still be viewed,
+but its results will no longer be available for download". Retention does the same here
+(RELAY_ANTHROPIC_RESULTS_RETENTION_SECONDS, batches/retention.py `prune_items`): it freezes the request
+counts on the row and removes the items. From then on the batch shows the frozen counts (the same numbers)
+and `archived_at` (when they were frozen, `Batch.frozen_at`); `results_url` stays as it was (Anthropic's
+reference does not say it is cleared, and with it the SDK's `results()` reaches the results endpoint,
+which names the archive, instead of failing with "Has it finished processing?"); and the results
+endpoint answers 404 not_found_error, code `results_archived` (`check_results`).
 """
 
 import json
+import logging
 import re
 import uuid
 from collections.abc import Iterator
 from datetime import UTC
 
+from django.conf import settings
 from django.db import transaction
 from django.db.models import Q
 
@@ -24,6 +35,8 @@ from batches.outcomes import Code
 from batches.surfaces import common
 from relay.auth import Principal
 from relay.errors import clipped, quoted
+
+log = logging.getLogger(__name__)
 
 # Matched in full (fullmatch): with `$`, "…\n" passed, and DELETE …/msgbatch_<hex>%0A deleted the batch.
 _PUBLIC_ID = re.compile(r"msgbatch_([0-9a-f]{32})")
@@ -107,14 +120,22 @@ def stopped_by_expiry(batch: Batch) -> bool:
 
 
 def request_counts(batch: Batch) -> dict:
-    """processing / succeeded / errored / canceled / expired; live (they always sum to the total)."""
-    if not hasattr(batch, "n_succeeded"):
-        batch = shown(batch.pk)
-    succeeded, errored = batch.n_succeeded or 0, batch.n_errored or 0
-    stopped, expired = batch.n_stopped or 0, batch.n_expired or 0
+    """processing / succeeded / errored / canceled / expired; live (they always sum to the total). Once
+    retention has archived the batch's results, from the counts frozen on its row: the same terms, so the
+    same numbers as before."""
+    if batch.frozen_counts is not None:
+        frozen = batch.frozen_counts
+        succeeded, errored = frozen.get(ItemState.COMPLETED, 0), frozen.get(ItemState.DISCARDED, 0)
+        stopped, expired = frozen.get(ItemState.CANCELLED, 0), frozen.get("cancelled_expired", 0)
+        done, failed = frozen.get("provider_done", 0), frozen.get("provider_failed", 0)
+    else:
+        if not hasattr(batch, "n_succeeded"):
+            batch = shown(batch.pk)
+        succeeded, errored = batch.n_succeeded or 0, batch.n_errored or 0
+        stopped, expired = batch.n_stopped or 0, batch.n_expired or 0
+        done, failed = common.provider_progress(batch)  # a provider job's records finished, not yet written
     if stopped_by_expiry(batch):
         expired = stopped
-    done, failed = common.provider_progress(batch)  # a provider job's records finished, not yet written
     succeeded, errored = succeeded + done, errored + failed
     return {
         "processing": batch.total_items - succeeded - errored - stopped,
@@ -145,7 +166,7 @@ def serialize(batch: Batch, base_url: str) -> dict:
         "ended_at": _ts(batch.completed_at) if ended else None,
         "created_at": _ts(batch.created_at),
         "expires_at": _ts(batch.expires_at),
-        "archived_at": None,  # results are kept until the batch is deleted
+        "archived_at": _ts(batch.frozen_at),  # set by retention: the results are no longer kept
         "cancel_initiated_at": _ts(batch.cancelling_at),
         "results_url": f"{base_url}{batch.public_id}/results" if ended else None,
         # Re-run what failed (batches/surfaces/retry.py): the batch this one re-runs, and its own retries.
@@ -208,11 +229,58 @@ _CODE_ERROR_TYPES = {
 }
 
 
+def check_results(batch: Batch) -> None:
+    """Refuse a results download (before it streams) of a batch still processing (400, as Anthropic)
+    or archived by retention (404: the results are gone for good, the batch is still there)."""
+    if batch.status not in states.ANTHROPIC_ENDED:
+        raise invalid(
+            f"Message batch {batch.public_id} is still {processing_status(batch)}: "
+            "its results are available once processing_status is 'ended'."
+        )
+    if batch.frozen_counts is not None:
+        raise AnthropicError(404, archived_message(batch), code="results_archived")
+
+
+def archived_message(batch: Batch) -> str:
+    keep = settings.RELAY_ANTHROPIC_RESULTS_RETENTION_SECONDS
+    kept = f" (results are kept for {_span(keep)} after a batch is created)" if keep > 0 else ""
+    return (
+        f"The results of message batch {batch.public_id} were archived at {_ts(batch.frozen_at)}{kept} and are "
+        "no longer available for download; the batch itself, with its request_counts, can still be retrieved."
+    )
+
+
+def _span(seconds: int) -> str:
+    for unit, size in (("day", 86400), ("hour", 3600), ("minute", 60)):
+        if seconds % size == 0:
+            n = seconds // size
+            return f"{n} {unit}{'s' if n != 1 else ''}"
+    return f"{seconds} seconds"
+
+
+class ResultsCutShort(Exception):
+    """Retention archived the batch while its results were streaming (the items went under the stream)."""
+
+
 def iter_results(batch: Batch) -> Iterator[bytes]:
-    """One JSONL line per request, in input order, one page of items in memory at a time."""
+    """One JSONL line per request, in input order, one page of items in memory at a time.
+
+    Every request has its line (an Anthropic batch's items are all stored at create): a stream that read
+    fewer raced retention removing them, and raises rather than end as a short file that looks whole (the
+    client sees a broken transfer, and on a retry the 404 of an archived batch)."""
     by_expiry = stopped_by_expiry(batch)
+    sent = 0
     for row in common.result_rows(batch):
         yield common.jsonl({"custom_id": row["custom_id"], "result": _result(row, by_expiry)})
+        sent += 1
+    if sent != batch.total_items:
+        log.warning(
+            "batch %s: results stream cut short (%d of %d): archived meanwhile",
+            batch.public_id,
+            sent,
+            batch.total_items,
+        )
+        raise ResultsCutShort(batch.public_id)
 
 
 def _result(row: dict, by_expiry: bool) -> dict:

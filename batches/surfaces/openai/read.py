@@ -106,12 +106,19 @@ def with_progress(qs):
 
 
 def request_counts(batch: Batch) -> dict:
-    """OpenAI's {total, completed, failed}: cancelled and expired records count as failed."""
-    if hasattr(batch, "n_completed"):
+    """OpenAI's {total, completed, failed}: cancelled and expired records count as failed. Once retention
+    has begun removing an ended batch's items (batches/retention.py), from the counts frozen on its row:
+    the same terms, so the same numbers as before."""
+    if batch.frozen_counts is not None:
+        frozen = batch.frozen_counts
+        states = {state: frozen.get(state, 0) for state in _COUNTED}
+        done, failed = frozen.get("provider_done", 0), frozen.get("provider_failed", 0)
+    elif hasattr(batch, "n_completed"):
         states = {state: getattr(batch, f"n_{state}") or 0 for state in _COUNTED}
+        done, failed = common.provider_progress(batch)  # a provider job's records finished, not yet written
     else:
         states = counts(batch)
-    done, failed = common.provider_progress(batch)  # a provider job's records finished, not yet written
+        done, failed = common.provider_progress(batch)
     return {
         "total": batch.total_items,
         "completed": states.get(ItemState.COMPLETED, 0) + done,
