@@ -204,9 +204,11 @@ class CpuWatch:
 _pg_local = threading.local()
 
 
-def pg_backends(db_name: str) -> list[int]:
+def pg_backends(db_name: str, *, backend_type: str | None = None, but_app: str | None = None) -> list[int]:
     """PIDs of the PostgreSQL backends connected to our database, read through a connection of our
-    own to the `postgres` database (so the observer is not one of the observed)."""
+    own to the `postgres` database (so the observer is not one of the observed). `backend_type`: only
+    those (e.g. 'client backend', leaving out autovacuum workers); `but_app`: not the connections whose
+    application_name it is (a benchmark's own driver, which is not what it measures)."""
     import psycopg2
 
     conn = getattr(_pg_local, "conn", None)
@@ -215,8 +217,13 @@ def pg_backends(db_name: str) -> list[int]:
             f"{os.environ.get('BENCH_PG_URL', 'postgres://postgres:postgres@127.0.0.1:5432').rstrip('/')}/postgres"
         )
         conn.autocommit = True
+    sql, params = "SELECT pid FROM pg_stat_activity WHERE datname = %s", [db_name]
+    if backend_type is not None:
+        sql, params = sql + " AND backend_type = %s", [*params, backend_type]
+    if but_app is not None:
+        sql, params = sql + " AND application_name <> %s", [*params, but_app]
     with conn.cursor() as cur:
-        cur.execute("SELECT pid FROM pg_stat_activity WHERE datname = %s", [db_name])
+        cur.execute(sql, params)
         return [row[0] for row in cur.fetchall()]
 
 

@@ -31,13 +31,16 @@ S3_PORT = harness.env_int("BENCH_SCALE_S3_PORT", 9391)
 BUCKET = "relay-bench-scale"
 
 
-def _pgbouncer() -> tuple[int, int]:
-    """(port, pid) of the throwaway PgBouncer (scripts/pgbouncer.sh starts it unless it runs)."""
-    out = subprocess.run(["bash", "scripts/pgbouncer.sh", "start"], cwd=ROOT, capture_output=True, text=True)
+def pgbouncer(directory: str | None = None) -> tuple[int, int]:
+    """(port, pid) of the throwaway PgBouncer (scripts/pgbouncer.sh starts it unless it runs). `directory`:
+    its PGBOUNCER_DIR, for a PgBouncer of one's own (default: $PGBOUNCER_DIR, else the tests' shared one)."""
+    env = {**os.environ, "PGBOUNCER_DIR": directory} if directory else None
+    out = subprocess.run(["bash", "scripts/pgbouncer.sh", "start"], cwd=ROOT, capture_output=True, text=True, env=env)
     if out.returncode != 0:
         raise RuntimeError(f"PgBouncer did not start: {out.stderr[-2000:]}")
     port = int(re.search(r"PGBOUNCER_PORT=(\d+)", out.stdout).group(1))
-    pid = int(Path(os.environ.get("PGBOUNCER_DIR", "/tmp/relay-pgbouncer"), "pgbouncer.pid").read_text().strip())
+    directory = directory or os.environ.get("PGBOUNCER_DIR", "/tmp/relay-pgbouncer")
+    pid = int(Path(directory, "pgbouncer.pid").read_text().strip())
     return port, pid
 
 
@@ -49,11 +52,11 @@ def _moto() -> tuple[str, int]:
     return f"http://127.0.0.1:{S3_PORT}", pid
 
 
-class _Stack(harness.Stack):
-    """The benchmark stack with the production settings of a many-host deployment: PgBouncer, s3."""
+class PooledStack(harness.Stack):
+    """The benchmark stack behind PgBouncer in transaction mode (docs/pooler.md): every relay process on
+    the pooler with DATABASE_POOLER=transaction, migrations over DATABASE_DIRECT_URL."""
 
     pooler_port: int = 0
-    s3_endpoint: str = ""
 
     def app_env(self) -> dict:
         env = super().app_env()
@@ -61,12 +64,6 @@ class _Stack(harness.Stack):
             DATABASE_URL=f"{self.pg_base.rsplit(':', 1)[0]}:{self.pooler_port}/{self.db_name}",
             DATABASE_POOLER="transaction",
             DATABASE_DIRECT_URL=self.database_url,
-            RELAY_BATCH_PAYLOAD_STORE="s3",
-            RELAY_S3_BUCKET=BUCKET,
-            RELAY_S3_ENDPOINT_URL=self.s3_endpoint,
-            RELAY_S3_PREFIX=f"{self.db_name}/",
-            AWS_ACCESS_KEY_ID="bench",
-            AWS_SECRET_ACCESS_KEY="bench-secret",
         )
         return env
 
@@ -80,6 +77,24 @@ class _Stack(harness.Stack):
 
         django.setup()
         call_command("migrate", "--database", "direct", "--noinput", verbosity=0)
+
+
+class _Stack(PooledStack):
+    """The benchmark stack with the production settings of a many-host deployment: PgBouncer, s3."""
+
+    s3_endpoint: str = ""
+
+    def app_env(self) -> dict:
+        env = super().app_env()
+        env.update(
+            RELAY_BATCH_PAYLOAD_STORE="s3",
+            RELAY_S3_BUCKET=BUCKET,
+            RELAY_S3_ENDPOINT_URL=self.s3_endpoint,
+            RELAY_S3_PREFIX=f"{self.db_name}/",
+            AWS_ACCESS_KEY_ID="bench",
+            AWS_SECRET_ACCESS_KEY="bench-secret",
+        )
+        return env
 
 
 def _bucket(endpoint: str) -> None:
@@ -154,7 +169,7 @@ def _one(history: int, pooler: tuple[int, int], s3: tuple[str, int]) -> list:
 
 
 def run() -> None:
-    pooler, s3 = _pgbouncer(), _moto()
+    pooler, s3 = pgbouncer(), _moto()
     _bucket(s3[0])
     rows = [_one(h, pooler, s3) for h in HISTORIES]
     print()
