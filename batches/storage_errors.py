@@ -1,5 +1,6 @@
-"""The payload store's errors, shared by its backends (batches/storage.py and batches/storage_s3.py): kept
-apart so that a backend module never imports the interface that dispatches to it."""
+"""The payload store's errors and the one base its result groups share, used by its backends
+(batches/storage.py and batches/storage_s3.py): kept apart so that a backend module never imports the
+interface that dispatches to it."""
 
 import logging
 
@@ -35,3 +36,17 @@ class PayloadStoreUnavailable(RelayError):
 
     def __str__(self) -> str:
         return f"payload store unavailable: {self.reason}"
+
+
+class ResultGroupBase:
+    """`with group:` for every store's result group: close() (the group is stored) on success, discard() on
+    an error, so a group cut short leaves nothing its callers could point at."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.close()
+        else:
+            self.discard()

@@ -60,28 +60,31 @@ def _apply(job, context, chunk: list) -> int:
     back = context.binding.batch_mode == BatchMode.AUTO and batch.expires_at is not None and batch.expires_at > now
     base = _event_base(job, context)
     scrub.known_values(load=True)  # the catalog's secrets, reloaded once a chunk (each body below: load=False)
-    for idx, r in chunk:
-        item_id = ids.get(idx)
-        if item_id is None:
-            continue  # written already (results read again after a restart)
-        if r.outcome == "succeeded":
-            body = scrub.scrub_bytes(r.body, load=False)
-            ref = storage.write_result(str(batch.id), str(item_id), body)
-            rows.append((item_id, ItemState.COMPLETED, ref, r.status_code, "", "", "", ""))
-            parsed = r.parsed if isinstance(r.parsed, dict) else _json(body)
-            events[item_id] = _event(job, context, base, item_id, r.status_code, parsed, "", "")
-        elif r.outcome == "errored":
-            body = scrub.scrub_bytes(r.body, load=False)[:ERROR_BODY_LIMIT].decode("utf-8", errors="replace")
-            error = f"batch item: upstream status {r.status_code}"
-            rows.append((item_id, ItemState.DISCARDED, "", r.status_code, error, body, Code.UPSTREAM_ERROR, ""))
-            events[item_id] = _event(job, context, base, item_id, r.status_code, None, Code.UPSTREAM_ERROR, error)
-        elif r.outcome == "expired" and back:
-            # auto: the provider expired it, the batch's own window is still open: the relay runs it.
-            rows.append((item_id, ItemState.AVAILABLE, "", None, "", "", "", placement.NOTE_EXPIRED))
-        else:
-            code = Code.BATCH_EXPIRED if r.outcome == "expired" or batch.expired_at else Code.BATCH_CANCELLED
-            error = stop.EXPIRED_ERROR if code == Code.BATCH_EXPIRED else stop.CANCELLED_ERROR
-            rows.append((item_id, ItemState.CANCELLED, "", None, error, "", code, ""))
+    # The chunk's results as one group: one object (s3) or one INSERT (db), stored before the fenced UPDATE
+    # that points the items at them (close() raises if they could not be; nothing is committed then).
+    with storage.result_group(str(batch.id)) as group:
+        for idx, r in chunk:
+            item_id = ids.get(idx)
+            if item_id is None:
+                continue  # written already (results read again after a restart)
+            if r.outcome == "succeeded":
+                body = scrub.scrub_bytes(r.body, load=False)
+                ref = group.add(str(item_id), body)
+                rows.append((item_id, ItemState.COMPLETED, ref, r.status_code, "", "", "", ""))
+                parsed = r.parsed if isinstance(r.parsed, dict) else _json(body)
+                events[item_id] = _event(job, context, base, item_id, r.status_code, parsed, "", "")
+            elif r.outcome == "errored":
+                body = scrub.scrub_bytes(r.body, load=False)[:ERROR_BODY_LIMIT].decode("utf-8", errors="replace")
+                error = f"batch item: upstream status {r.status_code}"
+                rows.append((item_id, ItemState.DISCARDED, "", r.status_code, error, body, Code.UPSTREAM_ERROR, ""))
+                events[item_id] = _event(job, context, base, item_id, r.status_code, None, Code.UPSTREAM_ERROR, error)
+            elif r.outcome == "expired" and back:
+                # auto: the provider expired it, the batch's own window is still open: the relay runs it.
+                rows.append((item_id, ItemState.AVAILABLE, "", None, "", "", "", placement.NOTE_EXPIRED))
+            else:
+                code = Code.BATCH_EXPIRED if r.outcome == "expired" or batch.expired_at else Code.BATCH_CANCELLED
+                error = stop.EXPIRED_ERROR if code == Code.BATCH_EXPIRED else stop.CANCELLED_ERROR
+                rows.append((item_id, ItemState.CANCELLED, "", None, error, "", code, ""))
     with transaction.atomic():
         changed = _update(job, rows, now)
         written = [events[item_id] for item_id in changed if item_id in events]

@@ -1,12 +1,14 @@
 """The worker process's database thread: heartbeats of every running item, and the final writes and
 claims a drain hands over while its slot's item calls out (an item's finish and the next claim go
-to PostgreSQL as one round trip: lifecycle.finish.HeldFinish)."""
+to PostgreSQL as one round trip: lifecycle.finish.HeldFinish; the results of the finishes it has in
+hand are stored as one group, one object on s3: `FinalWrite`, `Bookkeeper._store_results`)."""
 
 import logging
 import os
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -14,6 +16,7 @@ from django.conf import settings
 from django.db import connection, connections
 from django.utils import timezone
 
+from batches import storage
 from batches.lifecycle import finish
 from batches.models import Batch, Item, ItemState
 from relay import upstream
@@ -82,6 +85,59 @@ RETURNING (SELECT b.cancel_requested_at IS NOT NULL FROM batches_batch b WHERE b
 """
 
 
+class FinalWrite:
+    """An item's final write, as handed over: its result (batch id, item id, body; None for an item that
+    ends without one) stored, then the fenced finish pointing at it. The bookkeeper stores the results of
+    the writes it has in hand as one group (`write_results`) before running them; a write run alone stores
+    its own (a group of one). A group that could not be stored fails each of its writes: no finish
+    commits pointing at nothing, and the drain that waits on it raises (the item's lease runs out and the
+    sweeper rescues it, as when a single write failed)."""
+
+    __slots__ = ("finish", "result", "ref", "failed", "pairs_with_claim")
+
+    def __init__(self, finish, result: tuple[str, str, bytes] | None):
+        self.finish, self.result = finish, result
+        self.ref: str | None = None
+        self.failed: BaseException | None = None
+        self.pairs_with_claim = False
+
+    @property
+    def unstored(self) -> bool:
+        return self.result is not None and self.ref is None and self.failed is None
+
+    def __call__(self) -> bool:
+        if self.failed is not None:
+            raise self.failed
+        if self.unstored:
+            batch_id, item_id, body = self.result
+            self.ref = storage.write_result(batch_id, item_id, body)
+        return self.finish(self.ref)
+
+
+def write_results(writes: list[FinalWrite]) -> None:
+    """Store the results of `writes` as one group per batch (one object on s3), before their finishes run;
+    each write keeps its ref, or the error its group's store raised (it raises it when run)."""
+    by_batch: dict[str, list[FinalWrite]] = {}
+    for write in writes:
+        if write.unstored:
+            by_batch.setdefault(write.result[0], []).append(write)
+    for batch_id, members in by_batch.items():
+        try:
+            with storage.result_group(batch_id) as group:
+                refs = [group.add(item_id, body) for _, item_id, body in (w.result for w in members)]
+        except Exception as exc:  # handed to each write's waiter: the drain re-raises it
+            log.warning("batch %s: %d results could not be stored", batch_id, len(members), exc_info=True)
+            for write in members:
+                write.failed = exc
+            continue
+        for write, ref in zip(members, refs, strict=True):
+            write.ref = ref
+
+
+# At most this many results in one group of the bookkeeper's (a round's object: ~GROUP_MAX × the result size).
+GROUP_MAX = 256
+
+
 class Bookkeeper:
     """The worker process's database thread: it beats every registered item each interval, and runs
     what the drain hands it (`submit`), in order, while the slot's item calls out: each item's final
@@ -91,12 +147,16 @@ class Bookkeeper:
     Measured (py-spy, wall time of the 8 slots draining at 100 ms upstream latency): the finish was
     2.6 ms of each slot's 8.4 ms between two upstream calls, time in which its next call could have
     been in flight; handed over, the slot goes straight to its next claim.
+
+    The results of the final writes in hand are stored together before the first of them runs
+    (`_store_results`): on s3 one object per batch and round, not a PUT per result.
     """
 
     def __init__(self):
         self.lock = threading.Lock()
         self.beats: set[Heartbeat] = set()
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.backlog: deque = deque()  # jobs taken from `jobs` ahead of their turn (_store_results), in order
         self.pid = os.getpid()
         self.thread = threading.Thread(target=self._run, name="batch-bookkeeper", daemon=True)
         self.thread.start()
@@ -114,6 +174,33 @@ class Bookkeeper:
         self.jobs.put((future, fn))
         return future
 
+    def _take(self, timeout: float):
+        """The next job in order: from the backlog (jobs taken early to group their results), else the queue."""
+        if self.backlog:
+            return self.backlog.popleft()
+        try:
+            return self.jobs.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def _store_results(self, job: tuple) -> None:
+        """`job` is a final write whose result is not stored yet: gather the jobs queued behind it into the
+        backlog (on s3, also those handed over within storage.result_group_wait(), up to GROUP_MAX
+        results), and store the results of all of them as one group per batch before any runs. Jobs still
+        run one by one, in order; only their results' writes are made together."""
+        wait = storage.result_group_wait()
+        deadline = time.monotonic() + wait
+        count = 1 + sum(1 for _, fn in self.backlog if getattr(fn, "unstored", False))
+        while count < GROUP_MAX:
+            left = deadline - time.monotonic()
+            try:
+                taken = self.jobs.get(timeout=left) if left > 0 else self.jobs.get_nowait()
+            except queue.Empty:
+                break
+            self.backlog.append(taken)
+            count += getattr(taken[1], "unstored", False)
+        write_results([job[1], *(fn for _, fn in self.backlog if getattr(fn, "unstored", False))])
+
     def _run(self) -> None:
         next_beat = time.monotonic() + settings.RELAY_BATCH_HEARTBEAT_SECONDS
         following = None  # a job taken while looking for a claim to pair a finish with
@@ -123,17 +210,16 @@ class Bookkeeper:
                 if following is not None:
                     job, following = following, None
                 else:
+                    job = self._take(max(0.0, next_beat - time.monotonic()))
+                if job is not None and getattr(job[1], "unstored", False):
                     try:
-                        job = self.jobs.get(timeout=max(0.0, next_beat - time.monotonic()))
-                    except queue.Empty:
-                        job = None
+                        self._store_results(job)
+                    except Exception:  # each write stores its own result when it runs
+                        log.exception("batch bookkeeper: results not stored as a group")
                 if job is not None and getattr(job[1], "pairs_with_claim", False):
                     # A slot hands over its item's finish and, a moment later, the claim of its next
                     # item but one (`_Ahead`): sent as one query string they cost one round trip.
-                    try:
-                        following = self.jobs.get(timeout=PAIR_WAIT_S)
-                    except queue.Empty:
-                        pass
+                    following = self._take(PAIR_WAIT_S)
                     if following is not None and getattr(following[1], "takes_a_finish", False):
                         _run_pair(job, following)
                         job = following = None
@@ -242,7 +328,7 @@ def bookkeeper() -> Bookkeeper:
         elif not old.alive():  # cannot happen (`_run` ends on nothing); if it did, a new thread takes its work
             log.error("batch bookkeeper thread ended; starting another")
             _instance = Bookkeeper()
-            _instance.beats, _instance.jobs = old.beats, old.jobs
+            _instance.beats, _instance.jobs, _instance.backlog = old.beats, old.jobs, old.backlog
         return _instance
 
 

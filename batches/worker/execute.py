@@ -19,7 +19,7 @@ from batches.outcomes import Code
 from batches.tools import config as tools_config
 from batches.tools.loop import run_tool_loop
 from batches.worker import waits
-from batches.worker.bookkeeper import Heartbeat
+from batches.worker.bookkeeper import FinalWrite, Heartbeat
 from relay import auth, catalog, jsonguard, pipeline
 from relay.errors import RelayError
 from usage.pricing import with_batch_price
@@ -64,11 +64,13 @@ def run_item(item: Item, *, check_done: bool = True, hand_over=None) -> Future |
     outcome = run.outcome
 
     def end(state: str, **fields) -> Future | None:
-        def write() -> bool:
-            if state == ItemState.COMPLETED:
-                fields["result_ref"] = storage.write_result(str(batch.id), str(item.pk), outcome.body)
+        def finish_with(result_ref: str | None) -> bool:
+            if result_ref is not None:
+                fields["result_ref"] = result_ref
             return _finish(item, state, run=run, check_done=check_done, **fields)
 
+        result = (str(batch.id), str(item.pk), outcome.body) if state == ItemState.COMPLETED else None
+        write = FinalWrite(finish_with, result)
         if hand_over is not None:
             write.pairs_with_claim = not check_done  # the bookkeeper may send it with the next claim (_run_pair)
             return hand_over(write)

@@ -49,11 +49,12 @@ def store_native(principal: auth.Principal, submission: ingest.Submission, *, re
 def can_stream_native(head: dict) -> bool:
     """Whether a native body can be stored as it is read (store_native_streaming), judged by the
     top-level keys before `requests` (batches.intake has checked that none is the OpenAI surface's):
-    a known shape, a valid `retry` or none, input files on disk (the COPY reads rows while the parse
-    writes them; a payload store in the database would need the connection meanwhile), and
+    a known shape, a valid `retry` or none, inputs stored outside the database (the COPY reads rows
+    while the parse writes them; a payload store in the database would need the connection meanwhile:
+    a directory's file, or an s3 object spooled and sent as multipart parts as it grows), and
     PostgreSQL: the transaction stays open while the body arrives, and SQLite (embedded mode) would
     hold its one write lock that long, stalling every worker's finish behind a slow upload."""
-    if head.get("shape") not in Shape.values or storage.backend() != "dir" or connection.vendor != "postgresql":
+    if head.get("shape") not in Shape.values or storage.backend() == "db" or connection.vendor != "postgresql":
         return False
     try:
         _retry_options(head.get("retry"))
