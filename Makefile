@@ -42,6 +42,10 @@ bench-quick:
 bench-scale:
 	@bash scripts/bench_scale.sh
 
+# A million records (issue 29, bench/scale_million.py): 20 × 50,000 provider-mode records from 5 tenants through the API, PgBouncer and the s3 store, then the size measurements at 2k and at 1M rows (~40 min on 2 cores).
+bench-million:
+	@bash scripts/venv.sh requirements-dev.txt && bash scripts/services.sh && .venv/bin/python -m bench.scale_million
+
 # The docs site (MkDocs + Material), strict: any warning fails. Output in site/ (git-ignored).
 docs:
 	@bash scripts/venv.sh requirements-dev.txt

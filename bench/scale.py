@@ -172,6 +172,53 @@ def _sizes() -> dict:
     return out
 
 
+COLUMNS = [
+    "item rows",
+    "CPU ms/item (relay + pg)",
+    "claim p50/p99 ms",
+    "run+finish p50/p99 ms",
+    "sweep ms",
+    "/metrics median ms",
+    "admin ms",
+    "item B/row heap+idx",
+    "usage B/row heap+idx",
+]
+ADMIN_PAGES = ("/admin/batches/item/", "/admin/batches/batch/", "/admin/usage/usageevent/")
+
+
+def measure_point(principal, pg_pid: int, client, token: dict) -> tuple[list[str], int]:
+    """The measurements at the tables' current size, as cells under COLUMNS, and the usage events' row count:
+    the metrics roll-up caught up, a drain claim by claim, the sweeper, /metrics, the admin changelists (median
+    of 3), bytes per row. Also bench/scale_million.py's, at 2k and at 1M rows."""
+    from batches import sweeper
+    from relay import metrics_rollup
+
+    t0 = time.perf_counter()
+    metrics_rollup.catch_up()
+    catch_up_s = time.perf_counter() - t0
+    drain = _drain(principal, pg_pid)
+    sweep_ms = _timed(sweeper.sweep, 3)
+
+    def scrape():
+        assert client.get("/metrics", **token).status_code == 200
+
+    scrape_ms = _timed(scrape, 5)
+    admin_ms = [_timed(lambda p=page: client.get(p), 3) for page in ADMIN_PAGES]
+    sizes = _sizes()
+    cells = [
+        f"{sizes['batches_item'][2]:,}",
+        f"{drain['cpu_ms_per_item']:.2f} ({drain['relay_cpu_ms']:.2f} + {drain['pg_cpu_ms']:.2f} pg)",
+        f"{drain['claim_p50']:.1f} / {drain['claim_p99']:.1f}",
+        f"{drain['run_p50']:.1f} / {drain['run_p99']:.1f}",
+        f"{sweep_ms:.0f}",
+        f"{scrape_ms:.0f} (catch-up {catch_up_s:.1f} s)",
+        " / ".join(f"{v:.0f}" for v in admin_ms),
+        f"{sizes['batches_item'][0]:.0f} + {sizes['batches_item'][1]:.0f}",
+        f"{sizes['usage_usageevent'][0]:.0f} + {sizes['usage_usageevent'][1]:.0f}",
+    ]
+    return cells, sizes["usage_usageevent"][2]
+
+
 def run() -> None:
     import django
 
@@ -180,9 +227,6 @@ def run() -> None:
     from django.contrib.auth import get_user_model
     from django.db import connection
     from django.test import Client
-
-    from batches import sweeper
-    from relay import metrics_rollup
 
     upstream = subprocess.Popen(
         [sys.executable, "-m", "bench.fake_upstream", "--delay-ms", "0"], stdout=subprocess.PIPE, text=True
@@ -208,50 +252,14 @@ def run() -> None:
             t0 = time.perf_counter()
             _grow(principals, templates, size)
             harness.log(f"history written in {time.perf_counter() - t0:.0f} s")
-            t0 = time.perf_counter()
-            metrics_rollup.catch_up()
-            catch_up_s = time.perf_counter() - t0
-            drain = _drain(principals[0], pg_pid)
-            sweep_ms = _timed(sweeper.sweep, 3)
-
-            def scrape():
-                assert client.get("/metrics", **token).status_code == 200
-
-            scrape_ms = _timed(scrape, 5)
-            admin_ms = {}
-            for page in ("/admin/batches/item/", "/admin/batches/batch/", "/admin/usage/usageevent/"):
-                admin_ms[page] = _timed(lambda p=page: client.get(p), 3)
-            sizes = _sizes()
-            rows.append(
-                [
-                    f"{sizes['batches_item'][2]:,}",
-                    f"{drain['cpu_ms_per_item']:.2f} ({drain['relay_cpu_ms']:.2f} + {drain['pg_cpu_ms']:.2f} pg)",
-                    f"{drain['claim_p50']:.1f} / {drain['claim_p99']:.1f}",
-                    f"{drain['run_p50']:.1f} / {drain['run_p99']:.1f}",
-                    f"{sweep_ms:.0f}",
-                    f"{scrape_ms:.0f} (catch-up {catch_up_s:.1f} s)",
-                    " / ".join(f"{v:.0f}" for v in admin_ms.values()),
-                    f"{sizes['batches_item'][0]:.0f} + {sizes['batches_item'][1]:.0f}",
-                    f"{sizes['usage_usageevent'][0]:.0f} + {sizes['usage_usageevent'][1]:.0f}",
-                ]
-            )
+            rows.append(measure_point(principals[0], pg_pid, client, token)[0])
             harness.log(f"size {size:,}: {rows[-1]}")
         print()
         print(f"machine: {machine()}")
         print(f"drain of {DRAIN} items per size, in-process, fake provider at 0 ms; admin = items / batches / usage")
         print(
             table(
-                [
-                    "item rows",
-                    "CPU ms/item (relay + pg)",
-                    "claim p50/p99 ms",
-                    "run+finish p50/p99 ms",
-                    "sweep ms",
-                    "/metrics median ms",
-                    "admin ms",
-                    "item B/row heap+idx",
-                    "usage B/row heap+idx",
-                ],
+                COLUMNS,
                 rows,
             )
         )
