@@ -42,7 +42,7 @@ bench-quick:
 bench-scale:
 	@bash scripts/bench_scale.sh
 
-# A million records (issue 29, bench/scale_million.py): 20 × 50,000 provider-mode records from 5 tenants through the API, PgBouncer and the s3 store, then the size measurements at 2k and at 1M rows (~40 min on 2 cores).
+# A million records (issue 29, bench/scale_million.py): 20 × 50,000 provider-mode records from 5 tenants through the API, PgBouncer and the s3 store, then the size measurements at 2k and at 1M rows (~20 min on 2 cores).
 bench-million:
 	@bash scripts/venv.sh requirements-dev.txt && bash scripts/services.sh && .venv/bin/python -m bench.scale_million
 
