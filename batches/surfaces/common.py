@@ -12,7 +12,8 @@ from collections.abc import Callable, Iterator
 from django.conf import settings
 from django.db.models import Count, Field, IntegerField, OuterRef, Q, Subquery, Sum
 
-from batches.models import Batch, Item
+from batches import storage
+from batches.models import Batch, Item, ItemState
 from batches.provider.models import JobStatus, ProviderJob
 from relay.auth import Principal
 from relay.errors import RelayError, quoted
@@ -80,7 +81,10 @@ def provider_progress(batch: Batch) -> tuple[int, int]:
 
 
 def result_rows(batch: Batch) -> Iterator[dict]:
-    """The batch's items in input order (RESULT_FIELDS), one page in memory at a time."""
+    """The batch's items in input order (RESULT_FIELDS), one page in memory at a time. A completed item's row
+    also carries its stored result as `stored` (read it with `stored_json`): a page's results are read
+    together (storage.read_many: on s3 one GET per group object of neighbouring results, not one per result;
+    in the database one query)."""
     last = -1
     while True:
         page = list(
@@ -88,8 +92,20 @@ def result_rows(batch: Batch) -> Iterator[dict]:
         )
         if not page:
             return
+        done = [row for row in page if row["state"] == ItemState.COMPLETED]
+        for row, stored in zip(done, storage.read_many([row["result_ref"] for row in done]), strict=True):
+            row["stored"] = stored
         yield from page
         last = page[-1]["idx"]
+
+
+def stored_json(row: dict):
+    """A completed item's result (result_rows' `stored`) parsed; raises storage.PayloadMissing when it could not
+    be read and ValueError when it is not JSON."""
+    stored = row["stored"]
+    if isinstance(stored, storage.PayloadMissing):
+        raise stored
+    return json.loads(stored)
 
 
 def jsonl(obj: dict) -> bytes:

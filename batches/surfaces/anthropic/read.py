@@ -15,7 +15,6 @@ which names the archive, instead of failing with "Has it finished processing?");
 endpoint answers 404 not_found_error, code `results_archived` (`check_results`).
 """
 
-import json
 import logging
 import re
 import uuid
@@ -287,7 +286,7 @@ def _result(row: dict, by_expiry: bool) -> dict:
     state = row["state"]
     if state == ItemState.COMPLETED:
         try:
-            return {"type": "succeeded", "message": json.loads(storage.read(row["result_ref"]))}
+            return {"type": "succeeded", "message": common.stored_json(row)}
         except (storage.PayloadMissing, ValueError) as exc:
             return _errored("api_error", f"the stored result could not be read: {exc}", "result_unavailable")
     if state == ItemState.CANCELLED:

@@ -16,8 +16,6 @@ A file with no lines is not created: when every record failed, output_file_id
 is null. Files, ids and the final status are written in one transaction.
 """
 
-import json
-
 import uuid6
 from django.db import transaction
 from django.utils import timezone
@@ -100,35 +98,19 @@ class _ResultFile:
 
 
 def result_lines(batch: Batch):
-    """(JSONL line, is_error) for every item, in input order, one page in memory at a time. A page's
-    results are read together (storage.read_many: on s3 one GET per group object of neighbouring results,
-    not one per result; in the database one query)."""
-    page: list[dict] = []
+    """(JSONL line, is_error) for every item, in input order, one page in memory at a time."""
     for row in common.result_rows(batch):
-        page.append(row)
-        if len(page) >= common.RESULT_PAGE:
-            yield from _page_lines(batch, page)
-            page = []
-    yield from _page_lines(batch, page)
-
-
-def _page_lines(batch: Batch, rows: list[dict]):
-    bodies = iter(storage.read_many([row["result_ref"] for row in rows if row["state"] == ItemState.COMPLETED]))
-    for row in rows:
-        obj, failed = _line(batch, row, next(bodies) if row["state"] == ItemState.COMPLETED else None)
+        obj, failed = _line(batch, row)
         yield common.jsonl(obj), failed
 
 
-def _line(batch: Batch, row: dict, stored=None) -> tuple[dict, bool]:
-    """The item's line; `stored`: a completed item's result as read_many answered it (bytes or PayloadMissing)."""
+def _line(batch: Batch, row: dict) -> tuple[dict, bool]:
     item_id = row["id"]
     head = {"id": f"batch_req_{item_id.hex}", "custom_id": row["custom_id"]}
     state = row["state"]
     if state == ItemState.COMPLETED:
         try:
-            if isinstance(stored, Exception):
-                raise stored
-            body = json.loads(stored if stored is not None else storage.read(row["result_ref"]))
+            body = common.stored_json(row)
         except (storage.PayloadMissing, ValueError) as exc:
             return {**head, "response": None, "error": {"code": "result_unavailable", "message": str(exc)}}, True
         response = {"status_code": row["status_code"] or 200, "request_id": str(item_id), "body": body}
