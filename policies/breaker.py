@@ -11,20 +11,25 @@ host key starts a fresh breaker. The state is one hash per key,
 and every transition is one Lua script using Redis server time, so processes on
 different machines agree on when a cooldown ends.
 
-Tenants are isolated: a 5xx or a 403 may be about the request (one tenant's prompt
-the provider cannot serve), not the key. Such a failure is scored against the
-principal that saw it, and the key's breaker opens for everyone only once two or
-more distinct principals saw one within `SUSPECT_WINDOW_MS`. A success by anyone
-clears the scores. So one tenant hammering the provider with requests it refuses,
-or one batch's records it refuses every time, never benches a key the others need.
-Failures that are about the key or the wire open at once, whoever saw them: a 401
-(the key's credential), a network error after connecting, a long 429. A failure
-reported without a principal (an operator, a test) counts as everyone's.
+Tenants are isolated. Every failure class has one line in `RULES` (the one table: live calls, batch
+items and provider jobs all score through `record_failure`), which says whom it blames:
 
-Cooldowns follow the product: a 401 opens for 60 s, then 300, 900 and 3600 s on
-repeats; a 403, a 5xx or a network error after connecting backs off 2 s doubling
-to 60 s; a 429 with Retry-After over 5 s opens for exactly Retry-After; a shorter
-429 and a connect/DNS failure change nothing. Success closes and resets the step.
+- `Blame.PRINCIPAL`: the failure can be the request's doing (a 5xx or a 403 for a prompt the provider
+  cannot serve; a read timeout, a reset or a cut answer after the request was sent, for a generation
+  that runs long). It is scored against the principal that sent it, and the key's breaker opens for
+  everyone only once two or more distinct principals saw one within `SUSPECT_WINDOW_MS`. A success by
+  anyone clears the scores. So one tenant whose requests the provider refuses, or answers too slowly,
+  never benches a key the others need, however often it tries.
+- `Blame.KEY`: the failure cannot be the request's doing (a 401 on the key's credential; a connection
+  refused, timed out connecting, a DNS or TLS failure, before any byte of the request left; a long
+  429). It opens the key at once, whoever saw it.
+
+A failure reported without a principal (an operator, a test) counts as everyone's.
+
+Cooldowns follow the product: a 401 opens for 60 s, then 300, 900 and 3600 s on repeats; a 403, a
+5xx, a network failure after sending or a connect failure backs off 2 s doubling to 60 s; a 429 with
+Retry-After over 5 s opens for exactly Retry-After; a shorter 429 changes nothing. Success closes and
+resets the step.
 
 When a cooldown ends the breaker is half-open: exactly one caller, across all
 processes, gets to probe the key. Its success closes the breaker; its failure
@@ -38,6 +43,7 @@ from __future__ import annotations
 
 import enum
 import logging
+from dataclasses import dataclass
 
 from policies import lua
 from relay.redis import get_redis
@@ -60,17 +66,49 @@ class Failure(enum.Enum):
     AUTH = "auth"  # upstream 401
     FORBIDDEN = "forbidden"  # upstream 403
     SERVER = "server"  # upstream 5xx
-    NETWORK = "network"  # network error after the connection was made
+    NETWORK = "network"  # the connection broke after the request was sent: read timeout, reset, cut answer
     RATE_LIMITED = "rate_limited"  # upstream 429
-    UNREACHABLE = "unreachable"  # connect, DNS or TLS failure: the key is not at fault
+    UNREACHABLE = "unreachable"  # no connection: refused, connect timeout, DNS or TLS failure
 
 
-_REASONS = {
-    Failure.AUTH: "upstream_auth_failed",
-    Failure.FORBIDDEN: "upstream_forbidden",
-    Failure.SERVER: "upstream_server_error",
-    Failure.NETWORK: "upstream_network_error",
-    Failure.RATE_LIMITED: "upstream_rate_limited",
+class Blame(enum.Enum):
+    KEY = "key"  # cannot be the request's doing: the key is benched for everyone at once
+    PRINCIPAL = "principal"  # may be the request's doing: scored against the principal that sent it
+
+
+@dataclass(frozen=True)
+class Rule:
+    blame: Blame
+    reason: str  # the breaker's `reason` while it is open
+    ladder: tuple[int, ...]  # cooldowns in seconds, one rung per repeat (a long 429 uses its Retry-After)
+
+
+# The one classification of failures, for every caller of `record_failure` (live calls, streams, batch
+# items, provider jobs). docs/capacity.md shows it with the reasons; tests/test_breaker.py checks they agree.
+RULES: dict[Failure, Rule] = {
+    # The provider refused the key's credential itself.
+    Failure.AUTH: Rule(Blame.KEY, "upstream_auth_failed", AUTH_LADDER_S),
+    # No byte of the request left: the host, or the way to it, is down for every caller.
+    Failure.UNREACHABLE: Rule(Blame.KEY, "upstream_unreachable", BACKOFF_LADDER_S),
+    # The key's quota is spent for every caller until Retry-After (only a long one opens: record_failure).
+    Failure.RATE_LIMITED: Rule(Blame.KEY, "upstream_rate_limited", ()),
+    # A request the provider cannot serve (a prompt, a model option) answers 5xx every time.
+    Failure.SERVER: Rule(Blame.PRINCIPAL, "upstream_server_error", BACKOFF_LADDER_S),
+    # A request's content or model can be refused while the key is fine.
+    Failure.FORBIDDEN: Rule(Blame.PRINCIPAL, "upstream_forbidden", BACKOFF_LADDER_S),
+    # A long generation outlives the read timeout; a request can make the provider drop the connection.
+    Failure.NETWORK: Rule(Blame.PRINCIPAL, "upstream_network_error", BACKOFF_LADDER_S),
+}
+
+# A call that got no HTTP answer (relay.upstream.UpstreamError.kind) as a failure class. None: it says
+# nothing about the key and scores nobody (the caller's own deadline or cancel; an answer over the
+# relay's size limit), and a half-open probe it held is handed back.
+TRANSPORT: dict[str, Failure | None] = {
+    "unreachable": Failure.UNREACHABLE,
+    "network": Failure.NETWORK,
+    "timeout": None,
+    "cancelled": None,
+    "too_large": None,
 }
 
 _LUA_NOW = lua.NOW_MS
@@ -215,30 +253,35 @@ def release_probe(key_hash: str) -> None:
 
 
 # Failures that may be the request's fault rather than the key's: scored per principal.
-SCORED = frozenset({Failure.SERVER, Failure.FORBIDDEN})
+SCORED = frozenset(f for f, rule in RULES.items() if rule.blame is Blame.PRINCIPAL)
+
+
+def transport_failure(kind: str) -> Failure | None:
+    """The failure class of an UpstreamError kind (`TRANSPORT`); an unknown kind is a broken connection."""
+    return TRANSPORT.get(kind, Failure.NETWORK)
 
 
 def record_failure(
     key_hash: str, failure: Failure, retry_after: float | None = None, *, principal: str | None = None
 ) -> bool:
-    """Open (or reopen) the breaker as the failure class dictates. Returns whether it opened.
+    """Open (or reopen) the breaker as `RULES` dictates for the failure class. Returns whether it opened.
 
     `retry_after` is the upstream's Retry-After in seconds; only 429s use it. `principal`
-    (`principal_tag()`) is who saw the failure: a 5xx or a 403 opens the key only when another
-    principal saw one too within `SUSPECT_WINDOW_MS`. None: nobody in particular, it opens at once.
+    (`principal_tag()`) is who saw the failure: a failure the request may have caused (`Blame.PRINCIPAL`)
+    opens the key only when another principal saw one too within `SUSPECT_WINDOW_MS`. None: nobody in
+    particular, it opens at once.
     """
-    if failure is Failure.UNREACHABLE:
-        return False
-    if failure in SCORED and principal is not None:
-        args = [principal, SUSPECT_WINDOW_MS, _REASONS[failure], STATE_TTL_MS, *(s * 1000 for s in BACKOFF_LADDER_S)]
+    rule = RULES[failure]
+    if rule.blame is Blame.PRINCIPAL and principal is not None:
+        args = [principal, SUSPECT_WINDOW_MS, rule.reason, STATE_TTL_MS, *(s * 1000 for s in rule.ladder)]
         return bool(lua.run(_SCORE_LUA, success_keys(key_hash), args))
     if failure is Failure.RATE_LIMITED:
         if retry_after is None or retry_after <= RATE_LIMIT_SHORT_MAX_S:
             return False
-        fixed, ladder = str(round(retry_after * 1000)), ()
+        fixed = str(round(retry_after * 1000))
     else:
-        fixed, ladder = "", AUTH_LADDER_S if failure is Failure.AUTH else BACKOFF_LADDER_S
-    args = [_REASONS[failure], fixed, STATE_TTL_MS, *(s * 1000 for s in ladder)]
+        fixed = ""
+    args = [rule.reason, fixed, STATE_TTL_MS, *(s * 1000 for s in rule.ladder)]
     lua.run(_FAILURE_LUA, _keys(key_hash), args)
     return True
 

@@ -18,6 +18,7 @@ from tests.workers import wait_for
 pytestmark = pytest.mark.integration  # Redis
 
 KEY = "a1b2c3d4e5f6"
+A_TENANT, B_TENANT = "serviceaccount:1", "serviceaccount:2"
 
 
 def _server_s() -> float:
@@ -63,6 +64,7 @@ def test_auth_failure_ladder_60_300_900_3600_capped():
         (Failure.FORBIDDEN, "upstream_forbidden"),
         (Failure.SERVER, "upstream_server_error"),
         (Failure.NETWORK, "upstream_network_error"),
+        (Failure.UNREACHABLE, "upstream_unreachable"),
     ],
 )
 def test_backoff_ladder_doubles_from_2_to_60(failure, reason):
@@ -106,14 +108,16 @@ def test_short_429_changes_nothing(retry_after):
     assert get_redis().keys("relay:breaker:*") == []
 
 
-def test_unreachable_never_changes_anything():
-    for _ in range(5):
-        breaker.record_failure(KEY, Failure.UNREACHABLE)
-    assert breaker.snapshot(KEY)["state"] == "closed"
-    breaker.record_failure(KEY, Failure.SERVER)
-    before = breaker.snapshot(KEY)
-    breaker.record_failure(KEY, Failure.UNREACHABLE)
-    assert breaker.snapshot(KEY) == before
+def test_unreachable_opens_on_the_backoff_ladder_whoever_saw_it():
+    # No byte of the request left (refused, connect timeout, DNS, TLS): it cannot be the request's doing.
+    assert breaker.record_failure(KEY, Failure.UNREACHABLE, principal=B_TENANT) is True
+    snap = breaker.snapshot(KEY)
+    assert (snap["state"], snap["step"], snap["reason"]) == ("open", 1, "upstream_unreachable")
+    assert 1 < _cooldown_s() <= 2
+    assert not breaker.try_acquire(KEY)
+    assert breaker.suspects(KEY) == []  # nobody is blamed: the key is benched for everyone
+    _probe_fails(Failure.UNREACHABLE)
+    assert breaker.snapshot(KEY)["step"] == 2 and 3 < _cooldown_s() <= 4
 
 
 def test_success_closes_and_resets_the_step():
@@ -206,12 +210,10 @@ def test_release_probe_lets_the_next_caller_probe_at_once():
     assert breaker.try_acquire(key) is True
 
 
-# --- tenants isolated: 5xx and 403 are scored per principal ----------------------------------------
-
-A_TENANT, B_TENANT = "serviceaccount:1", "serviceaccount:2"
+# --- tenants isolated: failures the request may have caused are scored per principal ---------------
 
 
-@pytest.mark.parametrize("failure", [Failure.SERVER, Failure.FORBIDDEN])
+@pytest.mark.parametrize("failure", [Failure.SERVER, Failure.FORBIDDEN, Failure.NETWORK])
 def test_one_principals_failures_never_open_the_key(failure):
     for _ in range(10):
         assert breaker.record_failure(KEY, failure, principal=B_TENANT) is False
@@ -221,7 +223,12 @@ def test_one_principals_failures_never_open_the_key(failure):
 
 
 @pytest.mark.parametrize(
-    "failure,reason", [(Failure.SERVER, "upstream_server_error"), (Failure.FORBIDDEN, "upstream_forbidden")]
+    "failure,reason",
+    [
+        (Failure.SERVER, "upstream_server_error"),
+        (Failure.FORBIDDEN, "upstream_forbidden"),
+        (Failure.NETWORK, "upstream_network_error"),
+    ],
 )
 def test_a_second_principal_within_the_window_opens_it_for_everyone(failure, reason):
     breaker.record_failure(KEY, failure, principal=B_TENANT)
@@ -251,10 +258,33 @@ def test_a_score_older_than_the_window_does_not_count():
     assert 0 < get_redis().pttl(suspects_key) <= breaker.SUSPECT_WINDOW_MS
 
 
-@pytest.mark.parametrize("failure", [Failure.AUTH, Failure.NETWORK])
-def test_failures_about_the_key_or_the_wire_open_at_once_whoever_saw_them(failure):
+@pytest.mark.parametrize("failure", [Failure.AUTH, Failure.UNREACHABLE])
+def test_failures_that_cannot_be_the_requests_open_at_once_whoever_saw_them(failure):
     assert breaker.record_failure(KEY, failure, principal=B_TENANT) is True
     assert breaker.snapshot(KEY)["state"] == "open"
+
+
+def test_every_failure_class_has_one_rule_and_every_transport_kind_a_class():
+    assert set(breaker.RULES) == set(Failure)
+    blamed = {f for f, rule in breaker.RULES.items() if rule.blame is breaker.Blame.KEY}
+    assert blamed == {Failure.AUTH, Failure.UNREACHABLE, Failure.RATE_LIMITED}
+    assert breaker.transport_failure("unreachable") is Failure.UNREACHABLE
+    assert breaker.transport_failure("network") is Failure.NETWORK
+    assert [breaker.transport_failure(k) for k in ("timeout", "cancelled", "too_large")] == [None] * 3
+
+
+def test_the_capacity_page_shows_the_table():
+    """docs/capacity.md's table of who each failure blames is `RULES`, row by row."""
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parent.parent / "docs" / "capacity.md").read_text()
+    rows = {}
+    for line in page.splitlines():
+        cells = [c.strip().strip("`") for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 3 and cells[1] in {r.reason for r in breaker.RULES.values()}:
+            rows[cells[1]] = cells[2]
+    whom = {breaker.Blame.KEY: "everyone", breaker.Blame.PRINCIPAL: "the principal"}
+    assert rows == {rule.reason: whom[rule.blame] for rule in breaker.RULES.values()}
 
 
 def test_a_probe_failed_by_one_principal_alone_is_handed_back():

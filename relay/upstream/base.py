@@ -15,10 +15,13 @@ class UpstreamResponse:
 
 
 class UpstreamError(Exception):
-    """No usable HTTP answer. `kind` drives breaker and failover decisions:
+    """No usable HTTP answer. `kind` drives breaker and failover decisions (policies.breaker.TRANSPORT
+    maps it to a failure class, policies.breaker.RULES says whom that blames):
 
-    - unreachable: connect/DNS/TLS failure — never trips a key breaker;
-    - network: the connection broke after it was made;
+    - unreachable: connect refused or timed out, DNS or TLS failure: no byte of the request left, so it
+      cannot be the request's doing — the key is benched for everyone;
+    - network: the connection broke after the request was sent (read timeout, reset, cut answer), which
+      the request may have caused — scored against the principal that sent it;
     - timeout: the total deadline passed;
     - cancelled: the caller's cancel callback said stop;
     - too_large: the answer exceeded MAX_RESPONSE_BYTES.

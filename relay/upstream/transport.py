@@ -238,9 +238,10 @@ def _read_whole(resp, deadline: float) -> bytes:
 
 
 def _failure(exc: Exception) -> UpstreamError:
-    """urllib3's exception as the call's failure, sorted as requests sorts it (`HTTPAdapter.send`): a
-    connection never made (refused, DNS, TLS, connect timeout) is `unreachable`; anything after is
-    `network`."""
+    """urllib3's exception as the call's failure (live calls and the batch APIs alike): a connection never
+    made (refused, DNS, TLS, connect timeout) is `unreachable`, which no request can cause; anything after
+    the request was sent (a read timeout, a reset, a dropped connection) is `network`, which the request
+    itself may have caused (a long generation). policies.breaker.RULES scores the two accordingly."""
     reason = exc.reason if isinstance(exc, MaxRetryError) and exc.reason is not None else exc
     if isinstance(reason, ConnectTimeoutError) and not isinstance(reason, NewConnectionError):
         return UpstreamError("unreachable", f"connect timeout: {exc}")

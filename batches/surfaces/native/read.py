@@ -11,6 +11,7 @@ from django.db.models import Count
 
 from batches import storage
 from batches.models import Attempt, Batch, Item, ItemState, Surface
+from batches.outcomes import Code
 from batches.surfaces import common
 from relay.auth import Principal
 from relay.errors import RelayError
@@ -129,7 +130,7 @@ def iter_results_json(batch: Batch) -> Iterator[bytes]:
     """
     item, attempt = Item._meta, Attempt._meta
     sql = (
-        f'SELECT i."idx", i."state", i."result_ref", i."error", i."error_body", i."status_code", '
+        f'SELECT i."idx", i."state", i."result_ref", i."error", i."error_body", i."status_code", i."error_code", '
         # `attempts`: the tries that went past the relay's own checks (sent to a provider, or lost with their
         # worker), as the item's usage event counts them: an item refused by the policy's own rate limit
         # shows 0, not the one history row its final state wrote.
@@ -143,7 +144,7 @@ def iter_results_json(batch: Batch) -> Iterator[bytes]:
     for rows in _pages(sql, 'i."idx"', batch, RESULTS_ROWS):
         refs = [row[2] for row in rows if row[1] == completed and row[2]]
         bodies = iter(storage.read_many(refs)) if refs else iter(())
-        for idx, state, result_ref, error, error_body, status_code, n_attempts in rows:
+        for idx, state, result_ref, error, error_body, status_code, error_code, n_attempts in rows:
             piece = (
                 (b'{"idx":' if first else b',{"idx":')
                 + str(idx).encode()
@@ -160,6 +161,8 @@ def iter_results_json(batch: Batch) -> Iterator[bytes]:
                 else:
                     piece += b',"error":' + json.dumps(f"batch: load result: {_json_error(body)}").encode()
             elif error:
+                if _is_transport_failure(error_code, status_code):
+                    error = f"{error_code}: {common.failure_message(error)}"
                 piece += b',"error":' + json.dumps(error).encode()
                 if status_code:
                     piece += b',"status_code":' + str(status_code).encode()
@@ -178,6 +181,14 @@ def iter_results_json(batch: Batch) -> Iterator[bytes]:
 
 
 _STATES = {state: json.dumps(state).encode() for state in ItemState.values}
+
+
+def _is_transport_failure(code: str, status_code: int | None) -> bool:
+    """No HTTP answer came (the provider unreachable, the connection broken after sending): its text starts
+    with its code, as the OpenAI and Anthropic surfaces carry the code beside it (`upstream_unreachable: …`),
+    so a native client tells the causes apart without parsing sentences. An answer the provider gave keeps
+    the spec's `batch item: upstream status N`."""
+    return code == Code.UPSTREAM_UNREACHABLE or (code == Code.UPSTREAM_ERROR and not status_code)
 
 
 def _is_json(body: bytes) -> bool:
