@@ -4,10 +4,21 @@ nothing of the batch engine."""
 
 import os
 
-from celery import Celery
+from celery import Celery, signals
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "relay.settings")
 
 app = Celery("relay")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()
+
+
+# Celery sets up its own handlers in every worker and beat process (the root logger's, unless
+# CELERY_WORKER_HIJACK_ROOT_LOGGER is off, and always the task logger's, which does not propagate): the
+# secret-scrubbing filter of settings.LOGGING is put on each of them once they exist.
+@signals.after_setup_logger.connect(weak=False)
+@signals.after_setup_task_logger.connect(weak=False)
+def _scrub_celery_handlers(logger=None, **kwargs):
+    from relay.scrub import install_filter
+
+    install_filter(logger)

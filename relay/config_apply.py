@@ -15,6 +15,7 @@ from django.db import transaction
 from policies.models import KeySelection, Meter, Policy, PolicyHostKey, RateLimit, RateLimitRule, Strategy
 from relay import crypto
 from relay.models import (
+    ACCOUNT_ID_RE,
     Adapter,
     BatchMode,
     Host,
@@ -124,6 +125,15 @@ def _required(entry: dict, key: str):
     value = entry.get(key)
     if value in (None, ""):
         raise ConfigError(f"missing required field '{key}'")
+    return value
+
+
+def _text(entry: dict, key: str, max_length: int) -> str:
+    value = entry.get(key)
+    if value is None:
+        return ""
+    if not isinstance(value, str) or len(value) > max_length or not ACCOUNT_ID_RE.match(value):
+        raise ConfigError(f"'{key}' must be an id such as org-… or proj_… (letters, digits, '-', '_', '.')")
     return value
 
 
@@ -254,14 +264,41 @@ def _model(e, report, where):
 @_wrap_validation
 def _pricing(e, report, where):
     fields = ("input", "output", "cache_read", "cache_write", "batch_input", "batch_output")
-    _allowed(e, "name", *fields)
+    _allowed(e, "name", *fields, "long_context")
     values = {f"{f}_nanos_per_mtok": _usd_per_mtok_to_nanos(e.get(f), f) for f in fields}
+    values.update(_long_context(e.get("long_context")))
     _upsert(Pricing, {"name": _required(e, "name")}, values, report, f"pricing {e['name']}")
+
+
+LONG_RATES = ("input", "output", "cache_read", "cache_write")
+
+
+def _long_context(tier) -> dict:
+    """`long_context: {above_input_tokens: 200000, input: 6, output: 22.5, cache_read: 0.6, cache_write: 7.5}`:
+    the rates of every token of a request whose input side is above the threshold (usage.pricing)."""
+    values = {"long_context_threshold_tokens": None, **{f"long_{f}_nanos_per_mtok": None for f in LONG_RATES}}
+    if tier is None:
+        return values
+    if not isinstance(tier, dict):
+        raise ConfigError("'long_context' must be a mapping: {above_input_tokens: N, input: USD, output: USD, …}")
+    try:
+        _allowed(tier, "above_input_tokens", *LONG_RATES)
+        threshold = tier.get("above_input_tokens")
+        if not isinstance(threshold, int) or isinstance(threshold, bool) or threshold <= 0:
+            raise ConfigError("'above_input_tokens' must be a positive integer (Anthropic's 1M-context tier: 200000)")
+        if tier.get("input") is None or tier.get("output") is None:
+            raise ConfigError("give at least the 'input' and 'output' rates above the threshold")
+    except ConfigError as exc:
+        raise ConfigError(f"long_context: {exc}") from exc
+    values["long_context_threshold_tokens"] = threshold
+    for f in LONG_RATES:
+        values[f"long_{f}_nanos_per_mtok"] = _usd_per_mtok_to_nanos(tier.get(f), f"long_context.{f}")
+    return values
 
 
 @_wrap_validation
 def _binding(e, report, where):
-    _allowed(e, "model", "host", "adapter", "upstream_name", "pricing", "enabled", "batch_mode")
+    _allowed(e, "model", "host", "adapter", "upstream_name", "pricing", "enabled", "batch_mode", "allowed_betas")
     model = _ref(LLMModel, str(_required(e, "model")), "model")
     host = _ref(Host, _required(e, "host"), "host")
     pricing = _ref(Pricing, e["pricing"], "pricing") if e.get("pricing") else None
@@ -271,6 +308,8 @@ def _binding(e, report, where):
         "pricing": pricing,
         "enabled": _bool(e, "enabled", True),
         "batch_mode": _choice(e.get("batch_mode", BatchMode.RELAY), BatchMode, "batch_mode"),
+        # Checked with the binding's adapter and pricing by HostBinding.clean (relay.models.betas_problem).
+        "allowed_betas": e.get("allowed_betas") or [],
     }
     _upsert(HostBinding, {"model": model, "host": host}, values, report, f"binding {model.name}@{host.name}")
 
@@ -320,7 +359,7 @@ def _rate_limit(e, report, where):
 
 @_wrap_validation
 def _host_key(e, report, where):
-    _allowed(e, "name", "host", "value", "value_from", "rate_limit", "enabled")
+    _allowed(e, "name", "host", "value", "value_from", "rate_limit", "enabled", "openai_organization", "openai_project")
     host = _ref(Host, _required(e, "host"), "host")
     has_value, has_from = "value" in e, "value_from" in e
     if has_value == has_from:
@@ -331,9 +370,13 @@ def _host_key(e, report, where):
         if not isinstance(vf, dict) or set(vf) != {"env"} or not vf["env"]:
             raise ConfigError("'value_from' must be {env: NAME}")
         env_name = str(vf["env"])
+        problem = HostKey.env_problem(env_name)
+        if problem:
+            raise ConfigError(f"value_from: {problem}")
     elif not e["value"]:
         raise ConfigError("'value' must not be empty")
     rate_limit = _ref(RateLimit, e["rate_limit"], "rate limit") if e.get("rate_limit") else None
+    account = {f: _text(e, f, 200) for f in ("openai_organization", "openai_project")}
     label = f"host key {e['name']}"
     if env_name and not os.environ.get(env_name):
         report.warnings.append(
@@ -343,7 +386,12 @@ def _host_key(e, report, where):
     key = HostKey.objects.filter(name=_required(e, "name")).first()
     if key is None:
         key = HostKey(
-            name=e["name"], host=host, value_env=env_name, rate_limit=rate_limit, enabled=_bool(e, "enabled", True)
+            name=e["name"],
+            host=host,
+            value_env=env_name,
+            rate_limit=rate_limit,
+            enabled=_bool(e, "enabled", True),
+            **account,
         )
         if has_value:
             key.set_value(str(e["value"]))
@@ -351,7 +399,8 @@ def _host_key(e, report, where):
         report.created.append(label)
         return
     changed = False
-    for attr, value in (("host", host), ("rate_limit", rate_limit), ("enabled", _bool(e, "enabled", True))):
+    wanted = {"host": host, "rate_limit": rate_limit, "enabled": _bool(e, "enabled", True), **account}
+    for attr, value in wanted.items():
         if getattr(key, attr) != value:
             setattr(key, attr, value)
             changed = True

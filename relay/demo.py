@@ -19,7 +19,7 @@ DEMO_KEY_FILE = "demo-relay-key.txt"
 
 def seed_demo() -> str:
     """Apply the demo catalog; create the demo relay key once. Returns its plaintext."""
-    os.environ.setdefault("DEMO_UPSTREAM_KEY", "demo-upstream-key")
+    os.environ.setdefault("RELAY_HOSTKEY_DEMO", "demo-upstream-key")
     doc = load_file(str(DEMO_FILE))
     upstream = os.environ.get("RELAY_DEMO_UPSTREAM_URL", "http://127.0.0.1:8090")
     for host in doc.get("hosts", []):

@@ -5,7 +5,8 @@
   as broker and shared state store, on 127.0.0.1 only, keeping nothing on disk;
 - the DEMO upstream (canned replies, clearly labelled; not a model);
 - the API and admin (gunicorn) on 127.0.0.1:8080 (RELAY_PORT);
-- the Celery item worker (queue `batch`, 8 slots), the control worker (queue `control`) and beat.
+- the Celery item worker (queue `batch`, 8 slots), the control worker (queue `control`), the webhook lane
+  (deliveries, `python -m relay.processes webhooks`) and beat.
 State lives in SQLite under `.relay-embedded/`. Secrets are generated on first
 start and kept there (mode 0600) so restarts can still decrypt host keys.
 Ctrl-C stops everything.
@@ -101,7 +102,7 @@ def embedded_env(base: dict | None = None) -> dict:
         DJANGO_SETTINGS_MODULE="relay.settings",
         REDIS_URL=f"redis://127.0.0.1:{redis_port}/0",
         RELAY_DEMO_UPSTREAM_URL=f"http://127.0.0.1:{demo_port}",
-        DEMO_UPSTREAM_KEY=env.get("DEMO_UPSTREAM_KEY", "demo-upstream-key"),
+        RELAY_HOSTKEY_DEMO=env.get("RELAY_HOSTKEY_DEMO", "demo-upstream-key"),
         PYTHONUNBUFFERED="1",
     )
     env.setdefault("RELAY_BATCH_PAYLOAD_DIR", str(STATE_DIR / "payloads"))
@@ -230,7 +231,7 @@ def _run(children: "Children", env: dict, py: str, api_port: int, redis_port: in
         # Celery warns about root in every worker process, each a dozen lines; said once here instead.
         env["PYTHONWARNINGS"] = "ignore:You're running the worker with superuser privileges"
         print("[embedded] running as root: the workers run as root too (fine for a local demo; not in production)")
-    # The item worker, the control worker and beat: the same set compose.yaml declares.
+    # The item worker, the control worker, the webhook lane and beat: the same set compose.yaml declares.
     for role, argv in fleet(py, "embedded", schedule=str(STATE_DIR / "celerybeat-schedule"), loglevel="WARNING"):
         spawn(role, argv)
     listen = (env.get("RELAY_BIND") or DEFAULT_BIND).strip().strip("[]")

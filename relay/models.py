@@ -5,13 +5,21 @@ a binding is unique per (model, host), a host key has exactly one value
 source, a relay key belongs to exactly one principal.
 """
 
+import re
+
 from django.contrib.auth.models import AbstractUser
+from django.core.validators import RegexValidator
 from django.db import models
 from django.db.models import Q
 from django.utils import timezone
 
 from relay import crypto
+from relay.errors import quoted
 from relay.generation import CatalogQuerySet
+
+# An OpenAI organization or project id (org-…, proj_…) as it goes into a header: no spaces, no line breaks.
+ACCOUNT_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*\Z")
+_account_id = RegexValidator(ACCOUNT_ID_RE, "an id such as org-… or proj_… (letters, digits, '-', '_', '.')")
 
 
 class User(AbstractUser):
@@ -109,6 +117,15 @@ class Pricing(models.Model):
     # null means half the live rate, the OpenAI and Anthropic batch price (docs/provider-batches.md).
     batch_input_nanos_per_mtok = models.BigIntegerField(null=True, blank=True)
     batch_output_nanos_per_mtok = models.BigIntegerField(null=True, blank=True)
+    # A long-context tier (usage.pricing.cost_nano_usd): a request whose input side (input + cache read +
+    # cache write tokens) is above the threshold is billed at the long rates on every meter, as Anthropic
+    # bills a request over 200K input tokens under the 1M-context beta. Null threshold: no tier. A null long
+    # rate with a threshold set means that meter is unpriced above it (the event's cost is null, never 0).
+    long_context_threshold_tokens = models.BigIntegerField(null=True, blank=True)
+    long_input_nanos_per_mtok = models.BigIntegerField(null=True, blank=True)
+    long_output_nanos_per_mtok = models.BigIntegerField(null=True, blank=True)
+    long_cache_read_nanos_per_mtok = models.BigIntegerField(null=True, blank=True)
+    long_cache_write_nanos_per_mtok = models.BigIntegerField(null=True, blank=True)
 
     objects = CatalogQuerySet.as_manager()  # bulk writes bump the catalog generation
 
@@ -125,7 +142,28 @@ class Pricing(models.Model):
                     & (Q(batch_output_nanos_per_mtok__isnull=True) | Q(batch_output_nanos_per_mtok__gte=0))
                 ),
                 name="pricing_rates_not_negative",
-            )
+            ),
+            models.CheckConstraint(
+                condition=(
+                    (Q(long_input_nanos_per_mtok__isnull=True) | Q(long_input_nanos_per_mtok__gte=0))
+                    & (Q(long_output_nanos_per_mtok__isnull=True) | Q(long_output_nanos_per_mtok__gte=0))
+                    & (Q(long_cache_read_nanos_per_mtok__isnull=True) | Q(long_cache_read_nanos_per_mtok__gte=0))
+                    & (Q(long_cache_write_nanos_per_mtok__isnull=True) | Q(long_cache_write_nanos_per_mtok__gte=0))
+                ),
+                name="pricing_long_rates_not_negative",
+            ),
+            # Long rates without a threshold would never apply: a tier is a threshold with its rates.
+            models.CheckConstraint(
+                condition=Q(long_context_threshold_tokens__gt=0)
+                | (
+                    Q(long_context_threshold_tokens__isnull=True)
+                    & Q(long_input_nanos_per_mtok__isnull=True)
+                    & Q(long_output_nanos_per_mtok__isnull=True)
+                    & Q(long_cache_read_nanos_per_mtok__isnull=True)
+                    & Q(long_cache_write_nanos_per_mtok__isnull=True)
+                ),
+                name="pricing_long_context_tier_whole",
+            ),
         ]
 
     def __str__(self):
@@ -155,6 +193,9 @@ class HostBinding(models.Model):
     pricing = models.ForeignKey(Pricing, null=True, blank=True, on_delete=models.SET_NULL)
     enabled = models.BooleanField(default=True)
     batch_mode = models.CharField(max_length=16, choices=BatchMode.choices, default=BatchMode.RELAY)
+    # The `anthropic-beta` values a caller may send through this binding (relay.adapters): the betas bill the
+    # operator's account, so the operator lists the ones it enabled and priced. Empty: none pass.
+    allowed_betas = models.JSONField(default=list, blank=True)
 
     objects = CatalogQuerySet.as_manager()  # bulk writes bump the catalog generation
 
@@ -170,6 +211,14 @@ class HostBinding(models.Model):
     def __str__(self):
         return f"{self.model.name}@{self.host.name}"
 
+    def clean(self):
+        from django.core.exceptions import ValidationError
+
+        pricing = self.pricing if self.pricing_id else None
+        problem = betas_problem(self.adapter, self.allowed_betas, pricing)
+        if problem:
+            raise ValidationError({"allowed_betas": problem})
+
 
 class HostKey(models.Model):
     """A provider credential. The value is AES-GCM encrypted with RELAY_MASTER_KEY,
@@ -178,7 +227,13 @@ class HostKey(models.Model):
     name = models.SlugField(max_length=100, unique=True)
     host = models.ForeignKey(Host, on_delete=models.CASCADE, related_name="keys")
     value_encrypted = models.TextField(blank=True, default="", editable=False)
+    # Read only when it starts with settings.RELAY_HOSTKEY_ENV_PREFIX (`HostKey.env_problem`): the process
+    # calling a provider also holds the master key, the database URL and cloud credentials.
     value_env = models.CharField(max_length=200, blank=True, default="")
+    # The OpenAI organization and project this key bills (sent as OpenAI-Organization / OpenAI-Project by
+    # relay.adapters). The operator's choice, never the caller's. Empty: the key's own default.
+    openai_organization = models.CharField(max_length=200, blank=True, default="", validators=[_account_id])
+    openai_project = models.CharField(max_length=200, blank=True, default="", validators=[_account_id])
     # Upstream tier limit of this key: when spent, the key is skipped.
     rate_limit = models.ForeignKey(
         "policies.RateLimit", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
@@ -200,6 +255,27 @@ class HostKey(models.Model):
     def __str__(self):
         return self.name
 
+    def clean(self):
+        from django.core.exceptions import ValidationError
+
+        problem = self.env_problem(self.value_env)
+        if problem:
+            raise ValidationError({"value_env": problem})
+
+    @staticmethod
+    def env_problem(name: str) -> str:
+        """Why a host key may not read environment variable `name` ("" when it may)."""
+        from django.conf import settings
+
+        if not name:
+            return ""
+        prefix = settings.RELAY_HOSTKEY_ENV_PREFIX
+        if not name.startswith(prefix) or len(name) == len(prefix):
+            return f"environment variable {name} does not start with {prefix} (RELAY_HOSTKEY_ENV_PREFIX)"
+        if name in _RELAY_OWN_SECRETS:
+            return f"environment variable {name} holds one of the relay's own secrets"
+        return ""
+
     def set_value(self, plaintext: str) -> None:
         self.value_encrypted = crypto.encrypt(plaintext)
         self.value_env = ""
@@ -208,6 +284,11 @@ class HostKey(models.Model):
         if self.value_env:
             import os
 
+            # Checked at every read too: a row written past `relay apply` and the admin (SQL, a restore, a
+            # prefix changed since) still cannot send another variable to a provider.
+            problem = self.env_problem(self.value_env)
+            if problem:
+                raise crypto.SecretUnavailable(f"host key {self.name}: {problem}")
             value = os.environ.get(self.value_env, "")
             if not value:
                 raise crypto.SecretUnavailable(
@@ -221,6 +302,12 @@ class HostKey(models.Model):
         value = crypto.decrypt(self.value_encrypted)
         self.__dict__["_value_memo"] = (self.value_encrypted, value)
         return value
+
+
+# Never a host key's value, whatever the prefix is set to.
+_RELAY_OWN_SECRETS = frozenset(
+    {"RELAY_MASTER_KEY", "RELAY_ADMIN_TOKEN", "SECRET_KEY", "DATABASE_URL", "REDIS_URL", "CELERY_BROKER_URL"}
+)
 
 
 class RelayKey(models.Model):
@@ -332,3 +419,38 @@ class UsageRollupCursor(models.Model):
 
     def __str__(self):
         return f"usage rollup at id {self.last_id} ({len(self.gaps)} gaps)"
+
+
+# Betas that change what a request costs, and what the binding's pricing must have before one may be allowed:
+# the 1M-context beta bills a request over 200K input tokens at long-context rates (Pricing.long_*).
+PRICE_CHANGING_BETAS = {"context-1m-": "long_context"}
+# A beta name as Anthropic writes them: `files-api-2025-04-14`, `context-1m-2025-08-07`.
+_BETA_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,99}\Z")
+
+
+def betas_problem(adapter: str, allowed, pricing) -> str:
+    """Why a binding may not allow these betas ("" when it may): `relay apply` and the admin refuse it."""
+    if not isinstance(allowed, list) or not all(isinstance(b, str) for b in allowed):
+        return "must be a list of beta names, such as [files-api-2025-04-14]"
+    if not allowed:
+        return ""
+    if adapter != Adapter.ANTHROPIC:
+        return f"only an anthropic binding takes betas (this one's adapter is {adapter})"
+    for beta in allowed:
+        if not _BETA_NAME.match(beta):
+            return f"{quoted(beta)} is not a beta name (lower-case letters, digits, '-', '.', '_')"
+        problem = beta_price_problem(beta, pricing)
+        if problem:
+            return problem
+    return ""
+
+
+def beta_price_problem(beta: str, pricing) -> str:
+    for prefix, tier in PRICE_CHANGING_BETAS.items():
+        if beta.startswith(prefix) and tier == "long_context":
+            if pricing is None or pricing.long_context_threshold_tokens is None:
+                return (
+                    f"'{beta}' bills long-context rates: give the binding a pricing with a long_context tier "
+                    "(above_input_tokens and its rates) before allowing it"
+                )
+    return ""

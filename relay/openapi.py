@@ -75,7 +75,7 @@ OPERATIONS = {
         "summary": "Database and Redis reachability",
         "tags": ["operations"],
         "security": [],
-        "responses": {"200": _resp("healthy", "Health"), "503": _resp("degraded", "Health")},
+        "responses": {"200": _resp("healthy", "Health"), "503": _resp("the database or Redis is down", "Health")},
     },
     ("/v1/models", "get"): {
         "summary": "Models the caller's policy grants",

@@ -397,3 +397,12 @@ class ScrubFilter(logging.Filter):
         except Exception:  # a filter must never lose the record
             pass
         return True
+
+
+def install_filter(*loggers: logging.Logger | None) -> None:
+    """Put a ScrubFilter on every handler of the root logger and of `loggers` that has none: handlers set up
+    outside settings.LOGGING (Celery's, in worker and beat processes) scrub their records too."""
+    for logger in (logging.getLogger(), *loggers):
+        for handler in getattr(logger, "handlers", ()):
+            if not any(isinstance(f, ScrubFilter) for f in handler.filters):
+                handler.addFilter(ScrubFilter())

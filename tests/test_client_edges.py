@@ -204,7 +204,7 @@ def test_the_demo_catalog_serves_v1_responses(fake):
         host["base_url"] = fake.url
     import os
 
-    os.environ.setdefault("DEMO_UPSTREAM_KEY", "demo-upstream-key")
+    os.environ.setdefault("RELAY_HOSTKEY_DEMO", "demo-upstream-key")
     apply_config(doc)
     _, key = create_relay_key(service_account=ServiceAccount.objects.get(name="demo-client"), name="t")
     resp = post("/v1/responses", {"model": "gpt-4.1-mini", "input": "hello"}, **bearer(key))

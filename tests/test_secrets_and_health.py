@@ -32,10 +32,10 @@ def test_wrong_master_key_cannot_decrypt(catalog):
 
 
 def test_env_sourced_host_key(catalog, monkeypatch):
-    key = HostKey.objects.create(name="env-key", host=catalog.hosts["openai"], value_env="RELAY_TEST_HOST_KEY")
-    with pytest.raises(crypto.SecretUnavailable, match="RELAY_TEST_HOST_KEY is not set"):
+    key = HostKey.objects.create(name="env-key", host=catalog.hosts["openai"], value_env="RELAY_HOSTKEY_TEST")
+    with pytest.raises(crypto.SecretUnavailable, match="RELAY_HOSTKEY_TEST is not set"):
         key.get_value()
-    monkeypatch.setenv("RELAY_TEST_HOST_KEY", "from-env")
+    monkeypatch.setenv("RELAY_HOSTKEY_TEST", "from-env")
     assert key.get_value() == "from-env"
 
 
@@ -58,18 +58,35 @@ def test_missing_secret_stops_start_up_and_names_it(missing):
     assert f"{missing} is not set" in out.stderr
 
 
-def test_healthz_reports_database_and_redis(client):
+ADMIN = {"HTTP_AUTHORIZATION": "Bearer test-admin-token"}
+
+
+@pytest.fixture
+def admin_token(settings):
+    settings.RELAY_ADMIN_TOKEN = "test-admin-token"
+
+
+def test_healthz_says_ok_to_anyone_and_the_checks_to_the_operator(client, admin_token):
     resp = client.get("/healthz")
     assert resp.status_code == 200
+    assert resp.json() == {"status": "ok"}
+    resp = client.get("/healthz", **ADMIN)
     assert resp.json() == {"status": "ok", "database": {"ok": True}, "redis": {"ok": True}}
+    # A wrong token is anyone.
+    assert client.get("/healthz", HTTP_AUTHORIZATION="Bearer nope").json() == {"status": "ok"}
 
 
-def test_healthz_degraded_when_redis_unreachable(client):
+def test_healthz_error_shows_no_exception_text_without_the_admin_token(client, admin_token):
     with override_settings(REDIS_URL="redis://127.0.0.1:1/0"):
         resp = client.get("/healthz")
+        detailed = client.get("/healthz", **ADMIN)
     assert resp.status_code == 503
-    body = resp.json()
-    assert body["status"] == "degraded" and body["redis"]["ok"] is False and body["database"]["ok"] is True
+    assert resp.json() == {"status": "error"}
+    assert b"127.0.0.1" not in resp.content and b"redis" not in resp.content.lower()
+    assert detailed.status_code == 503
+    body = detailed.json()
+    assert body["status"] == "error" and body["redis"]["ok"] is False and body["database"]["ok"] is True
+    assert "127.0.0.1:1" in body["redis"]["error"]  # the operator sees where it looked
 
 
 def test_migrations_are_complete():

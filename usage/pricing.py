@@ -16,12 +16,23 @@ PER_MILLION = 1_000_000
 def cost_nano_usd(pricing: "Pricing | None", tokens: Tokens) -> int | None:
     if pricing is None:
         return None
-    meters = (
-        (tokens.input, pricing.input_nanos_per_mtok),
-        (tokens.output, pricing.output_nanos_per_mtok),
-        (tokens.cache_read, pricing.cache_read_nanos_per_mtok),
-        (tokens.cache_write, pricing.cache_write_nanos_per_mtok),
-    )
+    if is_long_context(pricing, tokens):
+        # Above the tier's threshold every token of the request is at the long rates (Anthropic's rule for
+        # the 1M-context beta: "requests that exceed 200K input tokens are charged at premium rates").
+        rates = (
+            pricing.long_input_nanos_per_mtok,
+            pricing.long_output_nanos_per_mtok,
+            pricing.long_cache_read_nanos_per_mtok,
+            pricing.long_cache_write_nanos_per_mtok,
+        )
+    else:
+        rates = (
+            pricing.input_nanos_per_mtok,
+            pricing.output_nanos_per_mtok,
+            pricing.cache_read_nanos_per_mtok,
+            pricing.cache_write_nanos_per_mtok,
+        )
+    meters = zip((tokens.input, tokens.output, tokens.cache_read, tokens.cache_write), rates, strict=True)
     total = 0
     for count, rate in meters:
         if count == 0:
@@ -32,6 +43,13 @@ def cost_nano_usd(pricing: "Pricing | None", tokens: Tokens) -> int | None:
         q, r = divmod(rate, PER_MILLION)
         total += count * q + (count * r) // PER_MILLION
     return total
+
+
+def is_long_context(pricing: "Pricing", tokens: Tokens) -> bool:
+    """Is this request above the pricing's long-context threshold? Counted on the input side (input, cache
+    read and cache write tokens together), as the provider counts it."""
+    threshold = getattr(pricing, "long_context_threshold_tokens", None)
+    return threshold is not None and tokens.input + tokens.cache_read + tokens.cache_write > threshold
 
 
 def discounted(cost_nano_usd: int, percent: int) -> int:
@@ -56,13 +74,19 @@ def provider_batch_cost(pricing: "Pricing | None", tokens: Tokens) -> int | None
 
 
 class _BatchRates:
-    """A pricing seen at its batch rates (the four meters `cost_nano_usd` reads)."""
+    """A pricing seen at its batch rates (the meters `cost_nano_usd` reads, and its long-context tier)."""
 
     def __init__(self, pricing: "Pricing"):
         self.input_nanos_per_mtok = _batch_rate(pricing.batch_input_nanos_per_mtok, pricing.input_nanos_per_mtok)
         self.output_nanos_per_mtok = _batch_rate(pricing.batch_output_nanos_per_mtok, pricing.output_nanos_per_mtok)
         self.cache_read_nanos_per_mtok = _batch_rate(None, pricing.cache_read_nanos_per_mtok)
         self.cache_write_nanos_per_mtok = _batch_rate(None, pricing.cache_write_nanos_per_mtok)
+        # The long-context tier at the batch price too: half its rates (Anthropic halves every rate in a batch).
+        self.long_context_threshold_tokens = pricing.long_context_threshold_tokens
+        self.long_input_nanos_per_mtok = _batch_rate(None, pricing.long_input_nanos_per_mtok)
+        self.long_output_nanos_per_mtok = _batch_rate(None, pricing.long_output_nanos_per_mtok)
+        self.long_cache_read_nanos_per_mtok = _batch_rate(None, pricing.long_cache_read_nanos_per_mtok)
+        self.long_cache_write_nanos_per_mtok = _batch_rate(None, pricing.long_cache_write_nanos_per_mtok)
 
 
 def _batch_rate(explicit: int | None, live: int | None) -> int | None:
