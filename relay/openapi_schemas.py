@@ -109,9 +109,10 @@ SCHEMAS = {
     },
     "Health": {
         "type": "object",
-        "required": ["status", "database", "redis"],
+        "required": ["status"],
+        "description": "`database` and `redis` (which check failed, and why) only with the admin token",
         "properties": {
-            "status": {"enum": ["ok", "degraded"]},
+            "status": {"enum": ["ok", "error"]},
             "database": ref("Check"),
             "redis": ref("Check"),
         },
@@ -422,6 +423,12 @@ SCHEMAS = {
             "cost_nano_usd": {"type": ["integer", "null"]},
             "billed_cost_nano_usd": {"type": ["integer", "null"]},
             "executed_by": {"enum": ["relay", "provider"]},
+            "usage_estimated": {
+                **BOOL,
+                "description": "The tokens and cost are the relay's estimate, not the provider's count: a "
+                "stream that ended before the provider's usage arrived (the prompt from the request's size, "
+                "the output from the text relayed).",
+            },
         },
         "additionalProperties": True,
     },

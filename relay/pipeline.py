@@ -50,17 +50,17 @@ class Call:
     required_adapter: str | None = None
     # The governing policy when the caller has loaded it already (a batch item checks it first).
     policy: object | None = None
-    # Fail over to the next key when one answers 5xx. A batch item that retries transient failures
-    # itself turns this off: its retry comes after a backoff, and one bad request no longer benches
-    # every key of the pool in one go. (401/403/429 and network errors, which are about the key,
-    # always fail over.)
+    # Fail over to the next key when one answers 5xx or the connection breaks after the request was sent
+    # (failures the request itself may have caused: `_RETRY_QUIET`). A batch item that retries transient
+    # failures itself turns this off: its retry comes after a backoff, and one bad (or slow) request no
+    # longer tries every key of the pool in one go. (401/403/429 and connect failures always fail over.)
     failover_on_server_error: bool = True
-    # Whether a 5xx counts against the key's breaker at all. It never benches the key by itself: it
-    # scores the call's principal, and the key opens for everyone only when two or more principals
-    # saw such failures lately (policies.breaker), so one tenant's (or one batch's) requests that the
-    # provider refuses cannot bench a key for the others. A batch item that already failed once and
-    # fails again is more likely a request the provider cannot serve than a bad key: it does not even
-    # score (nor fail a half-open probe).
+    # Whether such a failure counts against the key's breaker at all. It never benches the key by itself:
+    # it scores the call's principal, and the key opens for everyone only when two or more principals saw
+    # such failures lately (policies.breaker.RULES), so one tenant's (or one batch's) requests that the
+    # provider refuses or answers too slowly cannot bench a key for the others. A batch item that already
+    # failed once and fails again is more likely a request the provider cannot serve than a bad key: it
+    # does not even score (nor fail a half-open probe).
     server_error_benches_key: bool = True
     # A live request authenticated from the catalog snapshot its process held (relay.api.authentication):
     # that snapshot, and how to authenticate again with another one when the key pick finds it stale.
@@ -103,6 +103,11 @@ class Streamed:
     settled: bool = False
     # Tokens the pick took from the key's learned token quotas: the unused part goes back at the end.
     quota_held: provider_limits.Held = provider_limits.NOTHING_HELD
+    # Who sent the call (breaker.principal_tag): a stream that breaks is scored against it.
+    principal: str | None = None
+    # The request as the client sent it: its prompt is estimated from it when the stream ends before the
+    # provider's usage arrives (finish_stream).
+    request_body: dict | None = None
 
 
 def dispatch(call: Call) -> Outcome:
@@ -119,26 +124,38 @@ def dispatch_stream(call: Call) -> Outcome:
     return _dispatch_guarded(call, streamed=True)
 
 
-def finish_stream(outcome: Outcome, tokens: Tokens, *, failure: str = "", stream_error: str = "") -> dict:
+def finish_stream(
+    outcome: Outcome, tokens: Tokens, *, failure: str = "", stream_error: str = "", relayed_output: int | None = None
+) -> dict:
     """The end of a streamed call (its last byte, a break, or the client hanging up): charge the held
     limits with the tokens the provider reported, and complete the usage event with them. Once per
     stream; returns the event's fields for usage.services.record_event.
 
+    `relayed_output`: None when `tokens` is the provider's final count. Otherwise the stream ended before
+    that count arrived, `tokens` is what the provider said so far (Anthropic's opening count, or nothing),
+    and this is the output estimated from the text relayed (relay.streaming): the call is billed an
+    estimate (`_estimated`), marked `usage_estimated`, and charged to the limits and budgets like any other.
+
     `failure`: "" when the stream ended as the provider ended it; an upstream failure kind (network,
-    timeout, cancelled) when it broke; "client_gone" when the client hung up. A broken stream counts
-    against the key's breaker (the key's connection failed, as before a first byte); a client hanging
-    up says nothing about the key."""
+    timeout, cancelled) when it broke; "client_gone" when the client hung up. A broken stream is
+    scored against its principal on the key's breaker, as a break before a first byte is; a client
+    hanging up says nothing about the key."""
     held = outcome.stream
     event = outcome.event
     if held is None or held.settled:
         return event
     held.settled = True
+    estimated = relayed_output is not None
+    if estimated:
+        tokens = _estimated(tokens, relayed_output, held.request_body)
     tier, inbound = held.reservations
     try:
         tier.commit(input_tokens=_input_side(tokens), output_tokens=tokens.output)
         inbound.commit(input_tokens=_input_side(tokens), output_tokens=tokens.output)
         if failure == "network":
-            breaker.record_failure(held.key_hash, Failure.NETWORK)
+            # A read timeout or a reset mid-stream may be the request's doing (a long generation): scored
+            # against its principal, as before a first byte (policies.breaker.RULES).
+            breaker.record_failure(held.key_hash, Failure.NETWORK, principal=held.principal)
         elif held.quota_held:
             # What the provider reported is what it counts, however the stream ended.
             used = Tokens(input=_input_side(tokens), output=tokens.output)
@@ -161,23 +178,38 @@ def finish_stream(outcome: Outcome, tokens: Tokens, *, failure: str = "", stream
         output_tokens=tokens.output,
         cache_read_tokens=tokens.cache_read,
         cache_write_tokens=tokens.cache_write,
-        # What the provider reported is billed, however the stream ended.
+        # What the provider reported is billed, however the stream ended; without its count, the estimate.
         cost_nano_usd=cost_nano_usd(held.pricing, tokens),
+        usage_estimated=estimated,
     )
     return event
 
 
+def _estimated(reported: Tokens, relayed_output: int, body: dict | None) -> Tokens:
+    """What a stream cut before the provider's usage is billed: the provider's own counts where it gave them
+    (Anthropic's message_start has the input side), the prompt estimated from the request where it did not
+    (usage.tokens.estimate, the size rule reservations use), and at least the output relayed so far. The
+    provider bills a cut stream for the prompt it read and what it generated until it saw the caller leave."""
+    input_side = _input_side(reported)
+    prompt = reported.input if input_side else estimate(body if isinstance(body, dict) else {}).input
+    return Tokens(
+        input=prompt,
+        output=max(reported.output, relayed_output),
+        cache_read=reported.cache_read,
+        cache_write=reported.cache_write,
+    )
+
+
 def _dispatch_guarded(call: Call, *, streamed: bool) -> Outcome:
     started = time.monotonic()
-    ctx = {"attempts": 0, "route": None, "host_key": None}
-    hold = None
+    ctx = {"attempts": 0, "route": None, "host_key": None, "hold": None}
     try:
         # A batch record reserves its worst case on its spend budgets before anything else (none left: a
         # BudgetExceeded, 429 budget_exceeded with retry_after), and settles with its billed cost after.
-        hold = budgets.reserve_for_batch_call(call)
+        ctx["hold"] = budgets.reserve_for_batch_call(call)
         outcome = _dispatch(call, ctx, started, streamed)
     except RelayError as err:
-        budgets.settle_quietly(hold, None, call.request_id)
+        budgets.settle_quietly(ctx["hold"], None, call.request_id)
         kind = err.code or "relay_error"
         ctx["retry_after"] = getattr(err, "retry_after", None)
         return _finish(
@@ -193,11 +225,50 @@ def _dispatch_guarded(call: Call, *, streamed: bool) -> Outcome:
             event_status=0,
         )
     except BaseException:
-        budgets.settle_quietly(hold, None, call.request_id)
+        budgets.settle_quietly(ctx["hold"], None, call.request_id)
         raise
     cost = outcome.event.get("cost_nano_usd")
-    budgets.settle_quietly(hold, None if cost is None else discounted(cost, call.discount_percent), call.request_id)
+    billed = None if cost is None else discounted(cost, call.discount_percent)
+    budgets.settle_quietly(ctx["hold"], billed, call.request_id)
     return outcome
+
+
+def _reserve_after_reroute(call: Call, ctx: dict, picks) -> None:
+    """The key pick found the catalog snapshot stale, so the budgets read with it before the call were stale
+    too: a budget made or enabled since (in another process) would govern the record without a reservation,
+    and its cost would never reach it. Decided again with the current snapshot, before the call; with no room,
+    what the pick took is given back and the call is not made."""
+    try:
+        ctx["hold"] = budgets.reserve_for_batch_call(call)
+    except BaseException:
+        _unpick(picks)
+        raise
+
+
+def _unpick(picks) -> None:
+    """Give back what the key pick took for a call that will not be made: the first key's tier and breaker
+    probe, the tokens taken from its provider quotas, and the inbound reservation."""
+    try:
+        for cand, tier in picks:  # the first key, decided by the pick already (no round trip for the next)
+            tier.release()
+            provider_limits.settle(cand.key_hash, {}, picks.held, Tokens())
+            breaker.release_probe(cand.key_hash)
+            break
+    finally:
+        picks.inbound.release()
+
+
+# Failures the request itself may have caused that a batch item's retry does not score again
+# (`Call.server_error_benches_key`), and after which it does not fail over (`Call.failover_on_server_error`).
+_RETRY_QUIET = frozenset({Failure.SERVER, Failure.NETWORK})
+
+
+def _score(call: Call, key_hash: str, failure: Failure, retry_after: float | None = None) -> None:
+    """The failure on the key's breaker, as policies.breaker.RULES says, scored to the call's principal."""
+    if failure in _RETRY_QUIET and not call.server_error_benches_key:
+        breaker.release_probe(key_hash)  # the request, not the key, is at stake
+        return
+    breaker.record_failure(key_hash, failure, retry_after, principal=breaker.principal_tag(call.principal))
 
 
 # Catalog writes racing one request: how many times it routes again before it stops checking.
@@ -208,6 +279,7 @@ def _route(call: Call, snap) -> tuple:
     policy_id = call.policy.id if call.policy is not None else call.principal.policy_id
     policy = call.policy if call.policy is not None and snap is None else routing.load_policy(policy_id, snap)
     route = routing.resolve(policy, call.body.get("model"), snap)
+    adapters.check_betas(route.binding, call.inbound_headers)  # before a key is picked: nothing to give back
     return policy, route, _check_shape(call, route)
 
 
@@ -224,7 +296,7 @@ def _routed_and_picked(call: Call, ctx: dict):
             fresh = catalog.current()
             if fresh is None or fresh is snap:
                 raise
-            snap = fresh
+            snap, ctx["rerouted"] = fresh, True
             _recheck_credential(call, snap)
             policy, route, path = _route(call, snap)
         ctx["route"] = route
@@ -248,7 +320,7 @@ def _routed_and_picked(call: Call, ctx: dict):
             err.retry_after = float(exc.retry_after)
             raise err from exc
         except catalog.Stale:
-            snap = catalog.current()
+            snap, ctx["rerouted"] = catalog.current(), True
             continue
         return route, path, picks
     raise AssertionError("unreachable: the last attempt does not check the generation")
@@ -266,6 +338,8 @@ def _same_generation(a, b) -> bool:
 
 def _dispatch(call: Call, ctx: dict, started: float, streamed: bool = False) -> Outcome:
     route, path, picks = _routed_and_picked(call, ctx)
+    if ctx.get("rerouted") and ctx["hold"] is None and call.source == "batch":
+        _reserve_after_reroute(call, ctx, picks)
     send = upstream.open_stream if streamed else upstream.call
     body = dict(call.body, model=route.binding.upstream_name)
     body.pop("openrelay", None)  # relay-owned (tool config, …): never sent to a provider (decision 0013)
@@ -288,7 +362,9 @@ def _dispatch(call: Call, ctx: dict, started: float, streamed: bool = False) -> 
             try:
                 resp = send(
                     adapters.upstream_url(route.host.base_url, path),
-                    adapters.upstream_headers(route.adapter, key_value, call.inbound_headers),
+                    adapters.upstream_headers(
+                        route.adapter, key_value, call.inbound_headers, key=key, binding=route.binding
+                    ),
                     payload,
                     deadline=call.deadline,
                     cancel=call.cancel,
@@ -298,12 +374,15 @@ def _dispatch(call: Call, ctx: dict, started: float, streamed: bool = False) -> 
                 last_error = exc
                 if exc.kind == "unreachable":  # never sent: what the pick took from the provider's quotas goes back
                     provider_limits.settle(cand.key_hash, {}, picks.held, Tokens())
-                if exc.kind in ("timeout", "cancelled", "too_large"):
+                failure = breaker.transport_failure(exc.kind)
+                if failure is None:  # the call's own deadline or cancel, an answer too large: not the key's doing
                     breaker.release_probe(cand.key_hash)
                     raise answers.upstream_error_to_relay(exc, call.request_id) from exc
-                breaker.record_failure(
-                    cand.key_hash, Failure.UNREACHABLE if exc.kind == "unreachable" else Failure.NETWORK
-                )
+                # A connect failure benches the key for everyone; a break after sending (a read timeout, a
+                # reset) scores this principal only, as a 5xx does (policies.breaker.RULES).
+                _score(call, cand.key_hash, failure)
+                if failure in _RETRY_QUIET and not call.failover_on_server_error:
+                    break  # the caller retries later, with backoff
                 continue
             last_response, last_error = resp, None
             if 200 <= resp.status < 300 and streamed:
@@ -335,6 +414,8 @@ def _dispatch(call: Call, ctx: dict, started: float, streamed: bool = False) -> 
                     route.adapter,
                     path,
                     quota_held=picks.held,
+                    principal=breaker.principal_tag(call.principal),
+                    request_body=call.body,
                 )
                 return outcome
             if 200 <= resp.status < 300:
@@ -377,14 +458,11 @@ def _dispatch(call: Call, ctx: dict, started: float, streamed: bool = False) -> 
                 # Live first: a batch call's 429 keeps batch items off the key, not live requests (what is kept
                 # for them refills), so it opens no breaker; a live request's holds batch work off for a while.
                 livefirst.after_429(cand.key_hash, call.source, answers.capped(answers.retry_after(resp)))
-            batch_429 = failure is Failure.RATE_LIMITED and call.source == "batch"
-            if batch_429 or (failure is Failure.SERVER and not call.server_error_benches_key):
-                breaker.release_probe(cand.key_hash)  # the request (or batch pacing), not the key, is at stake
+            if failure is Failure.RATE_LIMITED and call.source == "batch":
+                breaker.release_probe(cand.key_hash)  # batch pacing, not the key, is at stake
             else:
                 # A 5xx or 403 is scored against this principal; 401 and long 429s open at once.
-                breaker.record_failure(
-                    cand.key_hash, failure, answers.retry_after(resp), principal=breaker.principal_tag(call.principal)
-                )
+                _score(call, cand.key_hash, failure, answers.retry_after(resp))
             if failure is Failure.SERVER and not call.failover_on_server_error:
                 break  # the caller retries later, with backoff, rather than spread one failure over every key
     finally:

@@ -8,13 +8,16 @@ What a streamed call adds to a live one (relay.api.inference answers it, relay.p
   an event is complete (a TCP read may end mid-event; a client never gets half of one). On the side,
   the usage the provider reported so far is read from the few events that carry it (OpenAI's final
   chunk, Responses' `response.completed`, Anthropic's `message_start` and `message_delta`); the
-  usage-only chunk the client did not ask for is dropped;
+  usage-only chunk the client did not ask for is dropped. The text of the content deltas is measured on
+  the side too, so a stream that ends before the provider's usage (the client hangs up, the stream breaks)
+  is billed an estimate rather than nothing (`Events.relayed_output`, relay.pipeline.finish_stream);
 - `relay()`: the body of the streamed answer, which closes the upstream call and records the usage
   event (once, through relay.pipeline.finish_stream) when the stream ends, breaks, or the client
   hangs up.
 
 Every other event is passed on without being parsed: the few that may carry usage are found by a byte
-search first, so a long stream costs one search per event, not one JSON parse.
+search first, and a delta's text is measured by byte searches for its few field names, so a long stream
+costs a few searches per event, not one JSON parse.
 """
 
 import atexit
@@ -30,7 +33,7 @@ from collections.abc import Iterator
 import orjson
 
 from relay import pipeline, scrub, upstream
-from usage.tokens import Tokens, parse_usage
+from usage.tokens import CHARS_PER_TOKEN, Tokens, parse_usage
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +46,22 @@ _EVENT_END = re.compile(rb"\r?\n\r?\n")
 # A usage object in an event's data: the only events worth parsing (`"usage": null` is not one).
 _HAS_USAGE = re.compile(rb'"usage"\s*:\s*\{')
 _IS_ERROR = re.compile(rb'^event:\s*error|"error"\s*:\s*\{|"type"\s*:\s*"(?:error|response\.failed)"', re.M)
+# Where each stream shape carries generated text (answer, tool-call arguments, refusals, reasoning), in the
+# events that add to it: chat chunks' deltas, completions' choices, Responses' `response.*.delta` events
+# (`delta` is a string only there; the `.done` and `response.completed` events repeat the whole text under
+# other names), Anthropic's `content_block_delta` (gated by name: `content_block_start` may hold text too).
+# Found by plain byte search (compact JSON, as the providers send it, and with a space after the colon).
+_DELTA_FIELDS = {
+    "/v1/chat/completions": ("content", "arguments", "refusal", "reasoning_content", "reasoning"),
+    "/v1/completions": ("text",),
+    "/v1/responses": ("delta",),
+    "/v1/messages": ("text", "partial_json", "thinking"),
+}
+_DELTA_KEYS = {path: tuple(f'"{name}":"'.encode() for name in names) for path, names in _DELTA_FIELDS.items()}
+_DELTA_KEYS_SPACED = {path: tuple(f'"{name}": "'.encode() for name in names) for path, names in _DELTA_FIELDS.items()}
+_ANTHROPIC_DELTA = b"content_block_delta"
+# Responses' audio deltas carry base64 audio under `delta`, not text: not measured as text.
+_AUDIO_DELTA = b'"response.audio.delta"'
 # An event longer than this without its end is passed on as it is, unparsed: the relay holds at most
 # this much of one event, whatever an upstream sends.
 MAX_EVENT_BYTES = 1024 * 1024
@@ -72,6 +91,13 @@ class Events:
         self.path = path
         self.strip_usage_chunk = strip_usage_chunk and path in _CHUNK_PATHS
         self.tokens = Tokens()
+        # Whether the provider's own final count arrived (OpenAI's usage chunk, Responses' closing event,
+        # Anthropic's message_delta): until it does, `tokens` is at most Anthropic's opening count.
+        self.final = False
+        # Output tokens of the deltas passed on so far, estimated from their text (`_measure`).
+        self.relayed_output = 0
+        self._delta_keys = _DELTA_KEYS.get(path, ())
+        self._delta_keys_spaced = _DELTA_KEYS_SPACED.get(path, ())
         self.error = ""  # an error event the provider sent mid-stream (its first 500 bytes)
         self._anthropic_usage: dict = {}
         self._pending = b""
@@ -109,11 +135,34 @@ class Events:
             return b""
         return rest
 
+    def _measure(self, event: bytes) -> None:
+        """Add the output tokens of a delta event's text to `relayed_output`. Each non-empty text counts at
+        least one token (OpenAI streams one token per chunk), a longer one a token per CHARS_PER_TOKEN bytes
+        (Anthropic's deltas carry several tokens each), rounded down because a one-token chunk is often five
+        to seven characters (a leading space, a word, punctuation). Bytes of the JSON text, escapes and all:
+        no decoding, and a non-Latin character (two or three UTF-8 bytes, often a token of its own) is not
+        undercounted by much. Measured against the fake provider's counts in tests/test_stream_estimate.py."""
+        if not self._delta_keys or (self.adapter == "anthropic" and _ANTHROPIC_DELTA not in event):
+            return
+        if self.path == "/v1/responses" and _AUDIO_DELTA in event:
+            return
+        for key in self._delta_keys if b'": "' not in event else self._delta_keys + self._delta_keys_spaced:
+            at = event.find(key)
+            while at != -1:
+                begin = at + len(key)
+                end = _string_end(event, begin)
+                if end == -1:
+                    break
+                if end > begin:
+                    self.relayed_output += max(1, (end - begin) // CHARS_PER_TOKEN)
+                at = event.find(key, end + 1)
+
     def _keep(self, event: bytes) -> bool:
         has_usage = _HAS_USAGE.search(event) is not None
         if not self.error and _IS_ERROR.search(event):
             self.error = event[:500].decode("utf-8", "replace").strip()
         if not has_usage:
+            self._measure(event)
             return True
         data = _data(event)
         try:
@@ -128,9 +177,12 @@ class Events:
         if isinstance(value.get("response"), dict):  # Responses: response.completed / .incomplete / .failed
             if isinstance(value["response"].get("usage"), dict):
                 self.tokens = parse_usage(self.adapter, self.path, value["response"])
+                self.final = True
             return True
+        self._measure(event)  # a chunk may carry the last delta and the usage together
         if isinstance(value.get("usage"), dict):
             self.tokens = parse_usage(self.adapter, self.path, value)
+            self.final = True
             if self.strip_usage_chunk and value.get("choices") == []:
                 return False  # the usage-only chunk the relay asked for, not the client
         return True
@@ -138,12 +190,28 @@ class Events:
     def _anthropic(self, value: dict) -> None:
         # message_start carries the input side (and a first output count); each message_delta the
         # cumulative counts so far. The latest value of each field is the provider's count.
+        # Only message_delta's count is final (it comes once, at the end).
         usage = value.get("usage")
         if value.get("type") == "message_start" and isinstance(value.get("message"), dict):
             usage = value["message"].get("usage")
+        elif value.get("type") == "message_delta" and isinstance(usage, dict):
+            self.final = True
         if isinstance(usage, dict):
             self._anthropic_usage.update({k: v for k, v in usage.items() if v is not None})
             self.tokens = parse_usage("anthropic", self.path, {"usage": self._anthropic_usage})
+
+
+def _string_end(data: bytes, begin: int) -> int:
+    """The index of the quote closing the JSON string that starts at `begin` (-1: not in `data`)."""
+    end = data.find(b'"', begin)
+    while end != -1:
+        slashes = 0
+        while data[end - 1 - slashes] == 0x5C:  # backslashes before the quote: an odd count escapes it
+            slashes += 1
+        if not slashes % 2:
+            return end
+        end = data.find(b'"', end + 1)
+    return -1
 
 
 def _data(event: bytes) -> bytes:
@@ -212,7 +280,14 @@ def relay(outcome: "pipeline.Outcome", events: Events, record) -> Iterator[bytes
         if not finished and not failure:
             failure = "client_gone"  # GeneratorExit: the server closed the answer mid-stream
         try:
-            record(pipeline.finish_stream(outcome, events.tokens, failure=failure, stream_error=events.error))
+            # Without the provider's final count the stream is billed an estimate, unless the provider ended
+            # it with an error event of its own (it reports what it bills for those, or bills nothing).
+            relayed = None if events.final or (finished and events.error) else events.relayed_output
+            record(
+                pipeline.finish_stream(
+                    outcome, events.tokens, failure=failure, stream_error=events.error, relayed_output=relayed
+                )
+            )
         except Exception:  # the server swallows what a closing generator raises: say it
             log.exception("request %s: the stream's usage could not be settled", outcome.event["request_id"])
 

@@ -315,7 +315,7 @@ def test_long_429_opens_for_retry_after_short_one_does_not(relay, fake):
     assert snap["state"] == "open" and snap["reason"] == "upstream_rate_limited"
 
 
-def test_unreachable_host_fails_over_without_tripping(relay, catalog, fake):
+def test_unreachable_host_fails_over_and_benches_every_key_it_tried(relay, catalog, fake):
     from policies import breaker
     from relay.crypto import sha256_hex
 
@@ -323,7 +323,12 @@ def test_unreachable_host_fails_over_without_tripping(relay, catalog, fake):
     catalog.hosts["openai"].save()
     resp = relay.post("/v1/chat/completions", CHAT)
     assert resp.status_code == 502 and error_of(resp)["code"] == "upstream_unreachable"
-    assert breaker.snapshot(sha256_hex("upstream-openai-0")[:12])["state"] == "closed"
+    # Not the request's doing (no byte of it left): every key tried is benched for everyone, so the
+    # next caller is told at once rather than waiting out a connect attempt per key.
+    snaps = [breaker.snapshot(sha256_hex(f"upstream-openai-{i}")[:12]) for i in range(3)]
+    assert {(s["state"], s["reason"]) for s in snaps} == {("open", "upstream_unreachable")}
+    resp = relay.post("/v1/chat/completions", CHAT)
+    assert resp.status_code == 503 and error_of(resp)["code"] == "no_keys"
 
 
 def test_every_breaker_open_means_no_keys(relay, fake):
@@ -391,11 +396,12 @@ def test_the_provider_is_asked_for_an_uncompressed_answer(relay, fake):
 
 
 def test_keys_whose_secret_cannot_be_read_are_named_as_such_not_as_cooling_down(relay, catalog, fake, caplog):
-    HostKey.objects.filter(host=catalog.hosts["openai"]).update(value_env="RELAY_TEST_UNSET_KEY", value_encrypted="")
+    unset = {"value_env": "RELAY_HOSTKEY_TEST_UNSET", "value_encrypted": ""}
+    HostKey.objects.filter(host=catalog.hosts["openai"]).update(**unset)
     resp = relay.post("/v1/chat/completions", CHAT)
     assert resp.status_code == 503 and error_of(resp)["code"] == "no_keys"
     message = error_of(resp)["message"]
     assert "cannot read their secrets" in message and "cooling down" not in message
-    assert "RELAY_TEST_UNSET_KEY" not in message  # the variable's name is the operator's, in the log
-    assert any("$RELAY_TEST_UNSET_KEY" in r.getMessage() for r in caplog.records)
+    assert "RELAY_HOSTKEY_TEST_UNSET" not in message  # the variable's name is the operator's, in the log
+    assert any("$RELAY_HOSTKEY_TEST_UNSET" in r.getMessage() for r in caplog.records)
     assert not fake.received  # no provider was called

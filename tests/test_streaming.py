@@ -298,8 +298,86 @@ def test_a_client_hanging_up_closes_the_upstream_call_and_is_billed_what_was_rep
         gate.set()
     event = event_of(request_id)
     usage = expected_usage("/v1/messages", MESSAGES)
-    # message_start had come: its input tokens (and its first output token) are what the provider reported.
+    # message_start had come: its input tokens are the provider's; message_delta, with the final output
+    # count, never came, so the output is the estimate of the one text delta relayed (the provider had
+    # produced one word: one token in its count), and the event says it is an estimate.
     assert (event.error_kind, event.input_tokens, event.output_tokens) == ("client_canceled", usage["input_tokens"], 1)
+    assert event.usage_estimated is True
+    assert event.cost_nano_usd is None  # claude-sonnet is unpriced in this catalog: unknown, never 0
+
+
+def _gated_hang_up(url: str, fake, path: str, body: dict, key: str, marker: bytes) -> UsageEvent:
+    """The provider sends its stream up to the first content event and goes quiet; the client reads up to
+    `marker` (that event) and hangs up. The stream's usage event."""
+    gate = threading.Event()
+    fake.script("*", [Reply(stream_gate=gate)])
+    try:
+        request_id = _read_then_hang_up(url, path, dict(body, stream=True), key, marker)
+        wait_for(lambda: fake.closed_by_client == 1, 5, interval=0.02, what="the upstream call to be closed")
+    finally:
+        gate.set()
+    return event_of(request_id)
+
+
+@pytest.mark.e2e
+@pytest.mark.django_db(transaction=True)
+def test_a_chat_stream_hung_up_after_two_chunks_is_billed_an_estimate_and_charged_to_its_budget(web, catalog, fake):
+    from usage.models import Budget, BudgetPeriod
+    from usage.tokens import estimate
+
+    url, _ = web
+    budget = Budget.objects.create(name="proj", project=catalog.project, usd_nanos=10**9, period="day")
+    # Two chunks: the role chunk and the first word. The provider had produced one token then.
+    event = _gated_hang_up(url, fake, "/v1/chat/completions", CHAT, catalog.key, b'"content":"[relay')
+    assert (event.error_kind, event.usage_estimated) == ("client_canceled", True)
+    assert event.output_tokens == 1
+    # The prompt from the size of the request the relay sent (usage.tokens.estimate, the reservations' rule).
+    sent, _ = streaming.upstream_body("/v1/chat/completions", dict(CHAT, stream=True))
+    assert event.input_tokens == estimate(sent).input > 0
+    assert event.cost_nano_usd == event.input_tokens * 2_500 + event.output_tokens * 10_000
+    # Charged to the budget like any other call (the writer thread charges it after the event).
+    wait_for(
+        lambda: BudgetPeriod.objects.filter(budget=budget, spent_nanos=event.cost_nano_usd).exists(),
+        5,
+        interval=0.02,
+        what="the estimate charged to the budget",
+    )
+
+
+@pytest.mark.e2e
+@pytest.mark.django_db(transaction=True)
+def test_a_hung_up_streams_estimate_is_charged_to_the_policys_token_limit(web, catalog, fake):
+    url, _ = web
+    catalog.policy.rate_limit = factories.rate_limit("out-1", ("tokens.output", 1, 60, "sliding-window"))
+    catalog.policy.save()
+    event = _gated_hang_up(url, fake, "/v1/chat/completions", CHAT, catalog.key, b'"content":"[relay')
+    assert (event.usage_estimated, event.output_tokens) == (True, 1)
+    # The estimated output token spent the limit: the next call is refused until the window slides.
+    with _post(url, "/v1/chat/completions", CHAT, catalog.key) as resp:
+        assert resp.status_code == 429, resp.content
+        assert resp.json()["error"]["code"] == "rate_limit_exceeded"
+
+
+@pytest.mark.e2e
+@pytest.mark.django_db(transaction=True)
+def test_a_responses_stream_hung_up_before_response_completed_is_billed_an_estimate(web, catalog, fake):
+    url, _ = web
+    body = {"model": "gpt-resp", "input": "three little words"}
+    event = _gated_hang_up(url, fake, "/v1/responses", body, catalog.key, b"response.output_text.delta")
+    assert (event.error_kind, event.usage_estimated, event.output_tokens) == ("client_canceled", True, 1)
+    assert event.input_tokens > 0
+
+
+@pytest.mark.e2e
+@pytest.mark.django_db(transaction=True)
+def test_a_stream_that_ends_with_the_providers_usage_is_not_an_estimate(web, catalog, fake):
+    url, _ = web
+    with _post(url, "/v1/chat/completions", dict(CHAT, stream=True), catalog.key) as resp:
+        assert resp.status_code == 200 and b"[DONE]" in resp.content
+        request_id = resp.headers["x-request-id"]
+    event = event_of(request_id)
+    usage = expected_usage("/v1/chat/completions", CHAT)
+    assert (event.usage_estimated, event.output_tokens) == (False, usage["completion_tokens"])
 
 
 @pytest.mark.e2e
@@ -312,8 +390,28 @@ def test_a_client_hanging_up_while_events_flow_closes_the_upstream_call(web, cat
     request_id = _read_then_hang_up(url, "/v1/chat/completions", body, catalog.key, b'"content":"word')
     wait_for(lambda: fake.closed_by_client == 1, 3, interval=0.02, what="the upstream call to be closed")
     event = event_of(request_id)
-    # OpenAI reports usage only in its last chunk, which never came: nothing to bill.
-    assert (event.error_kind, event.output_tokens) == ("client_canceled", 0)
+    # OpenAI reports usage only in its last chunk, which never came: the words relayed are billed (an
+    # estimate), at least the ones the client read before hanging up, and no more than the answer has.
+    answer = canned("/v1/chat/completions", body)["usage"]["completion_tokens"]
+    assert (event.error_kind, event.usage_estimated) == ("client_canceled", True)
+    assert 12 <= event.output_tokens < answer
+
+
+@pytest.mark.e2e
+@pytest.mark.django_db(transaction=True)
+def test_an_anthropic_stream_hung_up_mid_answer_bills_the_output_relayed_not_message_starts_count(web, catalog, fake):
+    url, _ = web
+    long_prompt = " ".join(["word"] * 150)
+    fake.script("*", [Reply(event_delay=0.02)])
+    body = dict(MESSAGES, stream=True, messages=[{"role": "user", "content": long_prompt}])
+    request_id = _read_then_hang_up(url, "/v1/messages", body, catalog.key, b'"text":"word')
+    wait_for(lambda: fake.closed_by_client == 1, 3, interval=0.02, what="the upstream call to be closed")
+    event = event_of(request_id)
+    usage = canned("/v1/messages", body)["usage"]
+    # message_start said 1 output token; twelve words had been relayed when the client left.
+    assert (event.error_kind, event.usage_estimated) == ("client_canceled", True)
+    assert event.input_tokens == usage["input_tokens"]  # the provider's own count of the prompt
+    assert 12 <= event.output_tokens < usage["output_tokens"]
 
 
 def _read_then_hang_up(url: str, path: str, body: dict, key: str, marker: bytes) -> str:

@@ -157,6 +157,7 @@ def test_event_json_has_every_field(client):
         cost_nano_usd=123,
         billed_cost_nano_usd=140,
         executed_by="provider",
+        usage_estimated=True,
     )
     resp = get(client, "events", {"from": "2025-03-04T00:00:00Z", "to": "2025-03-05T00:00:00Z"})
     assert resp.status_code == 200, resp.content
@@ -191,6 +192,7 @@ def test_event_json_has_every_field(client):
                 "cost_nano_usd": 123,
                 "billed_cost_nano_usd": 140,
                 "executed_by": "provider",
+                "usage_estimated": True,
             }
         ]
     }

@@ -7,8 +7,9 @@ spenders are serialized by the database's row lock:
 
 - a batch record **reserves** its worst case with `UPDATE … SET reserved = reserved + w WHERE id = … AND
   spent + reserved + w <= limit` (PostgreSQL re-checks the WHERE on the row it waited for), so reservations
-  never take a budget past its limit; the real cost then replaces the reservation (`settle`). Concurrent
-  records overshoot only by what a record's real cost exceeds its estimate, never by a whole record more;
+  never take a budget past its limit; the real cost then replaces the reservation (`settle`). The worst case
+  is a bound on the record's tokens (usage.tokens.worst_case), so what the records in flight spend stays
+  within what they reserved, however many slots reserve at once;
 - a live request is **checked** before its call (anything left?) and **charged** after it, so requests in
   flight together may overshoot by their own cost (the issue allows it).
 
@@ -38,6 +39,7 @@ from relay import catalog
 from relay.errors import RelayError
 from usage.models import SCOPE_KINDS, Budget, BudgetHold, BudgetPeriod, Period, UsageEvent
 from usage.pricing import cost_nano_usd, discounted
+from usage.tokens import Tokens
 
 log = logging.getLogger(__name__)
 
@@ -465,11 +467,20 @@ def reclaim_expired(*, period_ids: list[int] | None = None, now: datetime | None
 
 
 def worst_case_nanos(pricing, tokens, *, batch_discount_percent: int = 0) -> int | None:
-    """A request's most possible billed cost: its pricing × its token estimate (usage.tokens.estimate),
-    less the batch discount. None when it is unpriced."""
+    """A request's most possible billed cost: its pricing × its worst case in tokens (usage.tokens.worst_case),
+    less the batch discount. None when it is unpriced. Its input is priced at the dearer of the input and
+    cache-write rates: a prompt that writes the provider's cache is billed at the latter (Anthropic's is
+    1.25 or 2 times the input rate)."""
     cost = cost_nano_usd(pricing, tokens)
     if cost is None:
         return None
+    if (
+        pricing is not None
+        and tokens.input
+        and (pricing.cache_write_nanos_per_mtok or 0) > (pricing.input_nanos_per_mtok or 0)
+    ):
+        as_writes = cost_nano_usd(pricing, Tokens(output=tokens.output, cache_write=tokens.input))
+        cost = max(cost, as_writes or 0)
     return discounted(cost, batch_discount_percent) if batch_discount_percent else cost
 
 
@@ -509,17 +520,21 @@ def standings(budgets: list[Budget], now: datetime | None = None) -> list[Standi
 
 
 def reserve_for_batch_call(call) -> Hold | None:
-    """A batch record's worst case (price × token estimate, less its discount) reserved on the spend budgets
-    governing it, before its call (relay.pipeline); None when none does. Raises BudgetExceeded. A live call
-    is checked and charged by its view instead."""
+    """A batch record's worst case (price × its most possible tokens, less its discount) reserved on the spend
+    budgets governing it, before its call (relay.pipeline); None when none does. Raises BudgetExceeded. A live
+    call is checked and charged by its view instead.
+
+    The worst case is a bound (usage.tokens.worst_case), not the size estimate the provider quotas reserve:
+    every slot of every worker reserves at once, and a record that costs more than it reserved overshoots the
+    budget by the difference, so with estimates the overshoot grew with the slots in flight."""
     from relay import routing
-    from usage.tokens import estimate
+    from usage.tokens import worst_case
 
     if call.source != "batch" or not applicable(call.principal, call.policy):
         return None
     policy = call.policy or routing.load_policy(call.principal.policy_id)
     route = routing.resolve(policy, call.body.get("model"))  # cached; a routing error is the call's answer
-    worst = worst_case_nanos(route.binding.pricing, estimate(call.body), batch_discount_percent=call.discount_percent)
+    worst = worst_case_nanos(route.binding.pricing, worst_case(call.body), batch_discount_percent=call.discount_percent)
     return reserve(call.principal, policy, worst)
 
 
@@ -572,3 +587,66 @@ __all__ = [
     "standings",
     "worst_case_nanos",
 ]
+
+
+# --- provider batch jobs: one reservation for a job's records, settled chunk by chunk ---------------
+# A provider job is sent by one process and its results are written by others, hours later: its
+# reservation is kept on the job row (as JSON), not in a process's memory, and lives as long as the job.
+
+
+def reserve_for_job(principal, policy, worst_nanos: int, per_record: int, ttl: timedelta) -> dict | None:
+    """`reserve` for the records of a provider batch job (their summed worst case, `per_record` each), all or
+    none; its holds live `ttl` (the provider's window, not a record's deadline). Returns what the job keeps:
+    {"holds": [[hold id, period id, nanos]], "budgets": [ids], "per_record": nanos}; None when no budget
+    applies. Raises BudgetExceeded. Call inside the transaction that records it on the job, so a process
+    that dies in between leaves neither."""
+    hold = reserve(principal, policy, worst_nanos)
+    if hold is None:
+        return None
+    BudgetHold.objects.filter(pk__in=[part[0] for part in hold.parts]).update(expires_at=timezone.now() + ttl)
+    return {
+        "holds": [list(part) for part in hold.parts],
+        "budgets": [budget.id for budget in hold.budgets],
+        "per_record": max(0, int(per_record)),
+    }
+
+
+def settle_job_part(held: dict | None, records: int, billed_nanos: int | None) -> None:
+    """Some of a job's records are final (a chunk of its results written): their share of the reservation
+    (`records` × per_record, never more than a hold still has) is given back and their billed cost charged
+    to the budgets reserved on. Call inside the transaction that writes the chunk."""
+    if not held:
+        return
+    now = timezone.now()
+    deltas: dict[int, list[int]] = {}
+    if billed_nanos:
+        by_id = {b.id: b for found in _index().by_scope.values() for b in found}
+        budgets = [by_id[i] for i in held.get("budgets") or () if i in by_id]
+        for budget in budgets:
+            pid = _period_id(budget, now)
+            if pid is not None:
+                deltas.setdefault(pid, [0, 0])[0] += billed_nanos
+    give_back = max(0, int(held.get("per_record") or 0)) * max(0, records)
+    with transaction.atomic():
+        if give_back:
+            ids = [part[0] for part in held.get("holds") or ()]
+            rows = BudgetHold.objects.select_for_update().filter(pk__in=ids).values_list("id", "period_id", "nanos")
+            for hold_id, pid, nanos in rows:
+                take = min(nanos, give_back)
+                if take:
+                    BudgetHold.objects.filter(pk=hold_id).update(nanos=F("nanos") - take)
+                    deltas.setdefault(pid, [0, 0])[1] -= take
+        _add(deltas)
+
+
+def release_job_hold(held: dict | None) -> None:
+    """What is left of a job's reservation given back (the job ended, or its records went back to the relay's
+    workers, which reserve their own): `settle` with nothing charged, on the holds as they stand now."""
+    if not held:
+        return
+    ids = [part[0] for part in held.get("holds") or ()]
+    with transaction.atomic():
+        rows = BudgetHold.objects.select_for_update().filter(pk__in=ids).values_list("id", "period_id", "nanos")
+        parts = tuple((hold_id, pid, nanos) for hold_id, pid, nanos in rows)
+        if parts:
+            settle(Hold(parts=parts, budgets=()), None)

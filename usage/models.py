@@ -73,6 +73,10 @@ class UsageEvent(models.Model):
     # Where the request ran: "relay" (a live call, or a batch record the relay's workers ran) or "provider"
     # (a batch record sent in a provider batch job; its cost_nano_usd is the provider's batch price).
     executed_by = models.CharField(max_length=16, choices=ExecutedBy.choices, default=ExecutedBy.RELAY)
+    # The token counts are the relay's estimate, not the provider's: a stream that ended before the provider's
+    # usage arrived (the client hung up, the stream broke) is billed its prompt's size and the text relayed
+    # so far (relay.streaming), because the provider bills it all the same.
+    usage_estimated = models.BooleanField(default=False)
 
     class Meta:
         indexes = [

@@ -94,11 +94,41 @@ def estimate(body: dict, prompt_chars: int | None = None) -> Tokens:
             prompt_chars = len(json.dumps(body, separators=(",", ":"), ensure_ascii=False))
         except (TypeError, ValueError):
             prompt_chars = 0
-    output = DEFAULT_MAX_OUTPUT
+    return Tokens(input=-(-prompt_chars // CHARS_PER_TOKEN), output=_output_limit(body))
+
+
+def _output_limit(body) -> int:
     if isinstance(body, dict):
         for name in _OUTPUT_LIMITS:
             value = body.get(name)
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                output = value
-                break
-    return Tokens(input=-(-prompt_chars // CHARS_PER_TOKEN), output=output)
+            if _positive(value):
+                return value
+    return DEFAULT_MAX_OUTPUT
+
+
+def _positive(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+# A spend budget's reservation must hold a bound, not an average (usage.budgets): `estimate`'s ~4 characters
+# per token is English prose, while digits, code, short words and most non-Latin scripts run at one or two
+# characters a token, so a prompt can cost two to four times its estimate, and with every slot of a worker
+# fleet reserving at once those shortfalls add up. Every token of a byte-level BPE vocabulary (OpenAI's,
+# Anthropic's) spells at least one byte of text, so a prompt has at most as many tokens as its UTF-8 bytes;
+# the JSON around each message (~30 bytes) covers the few tokens a chat template adds to it. What the body
+# does not spell out is not bounded this way: an image, audio or file given by reference, and a Responses
+# call's `previous_response_id` conversation.
+_CHOICES = ("n", "best_of")  # completions generated per request (OpenAI chat and completions; best_of >= n)
+
+
+def worst_case(body: dict) -> Tokens:
+    """The most tokens a request can be billed, before its call: input, the UTF-8 bytes of its body; output,
+    its output limit (as `estimate` reads it) times the completions it asks for (`n`, `best_of`)."""
+    try:
+        size = len(json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode("utf-8", "surrogatepass"))
+    except (TypeError, ValueError):
+        size = 0
+    choices = 1
+    if isinstance(body, dict):
+        choices = max([body[name] for name in _CHOICES if _positive(body.get(name))], default=1)
+    return Tokens(input=size, output=_output_limit(body) * choices)

@@ -249,6 +249,9 @@ def event_json(e: UsageEvent, surfaces: dict | None = None) -> dict:
         "billed_cost_nano_usd": e.billed_cost_nano_usd,
         # Where it ran: "relay", or "provider" (a batch record sent to the provider's batch API).
         "executed_by": e.executed_by,
+        # true: the tokens (and so the cost) are the relay's estimate, not the provider's count (a stream that
+        # ended before the provider's usage arrived: docs/api/usage.md).
+        "usage_estimated": e.usage_estimated,
     }
 
 
