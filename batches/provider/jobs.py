@@ -2,8 +2,17 @@
 find a job whose create outcome was lost, poll, write the results (batches/provider/results.py), cancel.
 
 Every step is idempotent and begins by taking the job with one conditional UPDATE (its status, and
-`not_before` passed, moved forward as a lease): two messages for the same job, or a message and the
-sweeper, never both act. A lost message costs time until the sweeper's next look (`due_jobs`), never work.
+`not_before` passed, moved forward as a lease, with a new `lease` token): two messages for the same job, or a
+message and the sweeper, never both act. Every write of a step is fenced on its token, and a send renews its
+lease as it reads the body out (and stops when the lease was lost), so a taker whose lease ran out mid-send
+can never create the job a second time. A lost message costs time until the sweeper's next look
+(`due_jobs`), never work.
+
+Spend budgets: before a job is sent, its records' worst case less the batch discount (the bound relay-run
+records reserve, usage.budgets) is reserved on every budget that governs the batch, and kept on the job;
+each chunk of results settles its records' share with their billed cost, and what is left goes back when the
+job ends. A spent budget holds the job unsent (`pending`, looked at again at least every minute), as it
+holds a relay-run record of the OpenAI and Anthropic surfaces.
 Polls are one per job (never per record), at most one per RELAY_PROVIDER_POLL_SECONDS (12 s: 5 a minute),
 backing off to RELAY_PROVIDER_POLL_MAX_SECONDS while the job runs.
 """
@@ -12,6 +21,9 @@ import contextlib
 import json
 import logging
 import random
+import time
+import uuid
+from datetime import timedelta
 
 from django.conf import settings
 from django.db import InterfaceError, OperationalError, connection, transaction
@@ -30,6 +42,9 @@ from relay import auth, catalog, routing, scrub
 from relay.crypto import SecretUnavailable, sha256_hex
 from relay.errors import RelayError
 from relay.models import BatchMode, HostBinding, HostKey
+from relay.upstream import UpstreamError
+from usage import budgets
+from usage.tokens import worst_case
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +55,10 @@ FIND_AFTER_S = 150
 INGEST_LEASE_S = 300  # renewed every chunk of results written
 RETRY_BASE_S, RETRY_MAX_S = 5.0, 300.0  # a failed send or poll, backing off
 DB_RETRY_S = 2.0  # a step the database failed is tried again this soon
+RENEW_EVERY_S = 10.0  # a send renews its lease (and checks it still holds it) this often while reading out
+# A job's budget reservation lives through the provider's 24 h window, capacity waits and the writing of its
+# results; a job that ends gives it back at once (a reservation outliving its job row expires and is reclaimed).
+JOB_HOLD_TTL = timedelta(hours=48)
 
 
 # --- hand-off and scheduling -----------------------------------------------------------------------
@@ -67,18 +86,35 @@ def due_jobs(limit: int = 200) -> int:
     )
     for job_id in ids:
         dispatch.redispatch(TASK, job_id)
-    return len(ids)
+    return len(ids) + _release_ended_holds(limit)
+
+
+def _release_ended_holds(limit: int) -> int:
+    """Reservations still named by jobs that ended (a process that died between a job's end and its giving
+    back): given back. Endings give back in their own transaction, so this finds nothing in a healthy run."""
+    n = 0
+    for job_id, held in ProviderJob.objects.filter(
+        budget_hold__isnull=False, status__in=(JobStatus.DONE, JobStatus.RELEASED)
+    ).values_list("id", "budget_hold")[:limit]:
+        with transaction.atomic():
+            if ProviderJob.objects.filter(pk=job_id, budget_hold__isnull=False).update(budget_hold=None):
+                budgets.release_job_hold(held)
+                n += 1
+    if n:
+        log.warning("gave back the budget reservations of %d ended provider job(s)", n)
+    return n
 
 
 def _take(job: ProviderJob, status: str, lease_s: float, **fields) -> bool:
     """The job, for this process, if it is in `status` and its step is due; its lease moved `lease_s` ahead."""
     now = timezone.now()
     until = now + timezone.timedelta(seconds=lease_s)
+    lease = uuid.uuid4()
     taken = ProviderJob.objects.filter(
         Q(not_before__isnull=True) | Q(not_before__lte=now), pk=job.pk, status=status
-    ).update(not_before=until, **fields)
+    ).update(not_before=until, lease=lease, **fields)
     if taken:
-        job.not_before = until
+        job.not_before, job.lease, job.status = until, lease, status
         for name, value in fields.items():
             if not hasattr(value, "resolve_expression"):
                 setattr(job, name, value)
@@ -86,12 +122,50 @@ def _take(job: ProviderJob, status: str, lease_s: float, **fields) -> bool:
 
 
 def _set(job: ProviderJob, frm: str, **fields) -> bool:
-    """Move the job on from `frm` (fenced: only if still there)."""
-    moved = ProviderJob.objects.filter(pk=job.pk, status=frm).update(**fields)
+    """Move the job on from `frm`, fenced: only if still there and still this process's (its lease token)."""
+    moved = ProviderJob.objects.filter(pk=job.pk, status=frm, lease=job.lease).update(**fields)
+    if not moved:
+        log.info("job %s: no longer %s under this process's lease: left as it is", job.pk, frm)
+        return False
     for name, value in fields.items():
         if not hasattr(value, "resolve_expression"):
             setattr(job, name, value)
-    return bool(moved)
+    return True
+
+
+def _end(job: ProviderJob, frm: str, **fields) -> bool:
+    """`_set` for a move that ends what the job holds of its budgets: what is left of its reservation is
+    given back in the same transaction (call inside one)."""
+    held = job.budget_hold
+    if not _set(job, frm, budget_hold=None, **fields):
+        return False
+    budgets.release_job_hold(held)
+    return True
+
+
+def _renewer(job: ProviderJob):
+    """A check for a send in progress: every RENEW_EVERY_S it moves the job's lease on (fenced on its token
+    and status), and raises wire.LeaseLost when another taker has the job."""
+    last = [0.0]
+
+    def check():
+        now = time.monotonic()
+        if now - last[0] < RENEW_EVERY_S:
+            return
+        lease_s = SEND_LEASE_S if job.status == JobStatus.PENDING else FIND_AFTER_S
+        until = timezone.now() + timezone.timedelta(seconds=lease_s)
+        if not ProviderJob.objects.filter(pk=job.pk, status=job.status, lease=job.lease).update(not_before=until):
+            raise wire.LeaseLost(f"job {job.pk}: another process took it while this one was sending it")
+        job.not_before = until
+        last[0] = now
+
+    return check
+
+
+def _why(text: str) -> str:
+    """A job's error as stored and shown: the provider's words can quote anything it holds (a key, a
+    caller's secret), so they pass the scrubber (relay.scrub) first."""
+    return scrub.scrub_text(str(text))[:500]
 
 
 def _backoff(n: int) -> float:
@@ -205,7 +279,7 @@ def _target(binding, key) -> wire.Target | None:
     except SecretUnavailable:
         return None
     scrub.remember(value)  # a provider echoing it back gets it scrubbed
-    return wire.Target(binding.host.base_url, binding.adapter, value)
+    return wire.Target(binding.host.base_url, binding.adapter, value, key)
 
 
 class _Cand:
@@ -244,8 +318,9 @@ def _send(job: ProviderJob) -> None:
         _end_unsent(job)
         return
     # The submitting credential is checked again for each job (a revoked key stops its batch here).
+    principal = batch.submitter()
     try:
-        auth.recheck(batch.submitter(), catalog.held())
+        auth.recheck(principal, catalog.held())
     except RelayError as exc:
         _fail_records(job, Code.CREDENTIAL_INVALID, f"batch: credential no longer valid: {exc.message}")
         return
@@ -259,18 +334,32 @@ def _send(job: ProviderJob) -> None:
     if context.target is None:
         _wait(job, _backoff(job.create_attempts), "no usable host key (breakers open or secrets unreadable)")
         return
-    if context.key.id != job.host_key_id:
-        job.upstream_input_file_id = ""  # an uploaded file belongs to the key's organisation
+    # A spent budget holds the job before anything is read or sent (the reservation below is the real gate).
+    reserve = job.budget_hold is None and bool(budgets.applicable(principal, batch.policy_id, fresh=True))
+    if reserve:
+        try:
+            budgets.check(principal, batch.policy_id)
+        except budgets.BudgetExceeded as exc:
+            _wait_budget(job, exc)
+            return
+    if context.key.id != job.host_key_id or reserve:
+        job.upstream_input_file_id = ""  # an uploaded file belongs to the key's organisation; reserving reads
     records = wire.InputFile(job.kind, job.pk, job.endpoint)
+    records.on_read = _renewer(job)
     creating = False
     try:
+        worst = None
         if job.kind == "anthropic" or not job.upstream_input_file_id:
-            _write_records(job, context.binding, records)
+            worst = _write_records(job, context.binding, records, batch.discount_percent)
+        if reserve and not _reserve(job, principal, batch, worst or 0):
+            return
         if job.kind == "openai" and not job.upstream_input_file_id:
             file_id = wire.openai_upload(context.target, records)
-            _set(job, JobStatus.PENDING, upstream_input_file_id=file_id, host_key_id=context.key.id)
+            if not _set(job, JobStatus.PENDING, upstream_input_file_id=file_id, host_key_id=context.key.id):
+                return  # another taker has the job: its own send goes on
         creating = True
-        _set(
+        # The one move that lets a create happen, fenced on this process's lease: two takers never both pass.
+        if not _set(
             job,
             JobStatus.PENDING,
             status=JobStatus.SUBMITTING,
@@ -278,15 +367,23 @@ def _send(job: ProviderJob) -> None:
             submit_started_at=timezone.now(),
             create_attempts=F("create_attempts") + 1,
             not_before=timezone.now() + timezone.timedelta(seconds=FIND_AFTER_S),
-        )
+        ):
+            return
         if job.kind == "openai":
             upstream_id = wire.openai_create(context.target, job, job.upstream_input_file_id)
         else:
             upstream_id = wire.anthropic_create(context.target, records)
+    except wire.LeaseLost as exc:
+        log.warning("%s: its send is abandoned", exc)
+        return
     except wire.Refused as exc:
         _refused(job, context, exc)
         return
+    except budgets.BudgetExceeded as exc:
+        _wait_budget(job, exc)
+        return
     except Exception as exc:
+        _score_no_answer(context, batch, exc)
         if not creating:  # the upload broke off: nothing was created, send again after a pause
             _wait(job, _backoff(job.create_attempts), f"sending the job failed: {exc}", frm=JobStatus.PENDING)
             return
@@ -299,30 +396,61 @@ def _send(job: ProviderJob) -> None:
     _started(job, upstream_id)
 
 
-def _write_records(job: ProviderJob, binding, records: wire.InputFile) -> None:
-    """The job's records in the shape its API takes: the binding's upstream model name, nothing relay-owned."""
+def _reserve(job: ProviderJob, principal, batch, worst: int) -> bool:
+    """The job's records' worst case reserved on the budgets governing its batch and kept on the job, in one
+    transaction (a process dying in between leaves neither). Raises BudgetExceeded; False: the job is no
+    longer this process's (nothing is reserved then)."""
+    per_record = -(-worst // max(1, job.records))
+    with transaction.atomic():
+        held = budgets.reserve_for_job(principal, batch.policy_id, worst, per_record, JOB_HOLD_TTL)
+        if held is None:
+            return True
+        if not _set(job, JobStatus.PENDING, budget_hold=held):
+            transaction.set_rollback(True)
+            return False
+    log.info("job %s: reserved %d nano-USD on %d budget(s)", job.pk, worst, len(held["budgets"]))
+    return True
+
+
+def _wait_budget(job: ProviderJob, exc) -> None:
+    """A budget of the batch is spent: the job waits unsent (the surfaces' records wait so too), looking
+    again at least every BATCH_RECHECK_S so a raised budget or a new period is seen."""
+    _wait(job, exc.retry_after, f"{exc.code}: {exc.message}")
+
+
+def _write_records(job: ProviderJob, binding, records: wire.InputFile, discount_percent: int) -> int:
+    """The job's records in the shape its API takes: the binding's upstream model name, nothing relay-owned.
+    Returns their summed worst case (price × the most tokens each can be billed, less the batch's discount:
+    what a relay-run record reserves, usage.budgets.reserve_for_batch_call; an unpriced model counts 0)."""
     rows = Item.objects.filter(provider_job_id=job.pk, state=ItemState.DELEGATED).order_by("idx")
     chunk: list = []
+    worst = [0]
 
     def flush():
         for (idx, _), data in zip(chunk, storage.read_many([ref for _, ref in chunk]), strict=True):
             body = json.loads(data)
+            # Bounded as the relay-run record would be, on the body as stored (what its call would carry).
+            cost = budgets.worst_case_nanos(binding.pricing, worst_case(body), batch_discount_percent=discount_percent)
+            worst[0] += cost or 0
             body["model"] = binding.upstream_name
             body.pop("openrelay", None)
             records.add(job.custom_id(idx), json.dumps(body).encode())
         chunk.clear()
+        if records.on_read is not None:
+            records.on_read()  # a long read-out keeps (and checks) the lease
 
     for row in rows.values_list("idx", "input_ref").iterator(chunk_size=2000):
         chunk.append(row)
         if len(chunk) >= 500:
             flush()
     flush()
+    return worst[0]
 
 
 def _started(job: ProviderJob, upstream_id: str) -> None:
     now = timezone.now()
     when = now + timezone.timedelta(seconds=poll_interval(0))
-    _set(
+    if not _set(
         job,
         JobStatus.SUBMITTING,
         status=JobStatus.RUNNING,
@@ -330,7 +458,10 @@ def _started(job: ProviderJob, upstream_id: str) -> None:
         submitted_at=now,
         not_before=when,
         last_error="",
-    )
+    ):
+        # Another taker has the job (this create outlived the lease): its look (_find) adopts the batch.
+        log.warning("job %s: created as %s after its lease passed on: left to the job's look", job.pk, upstream_id)
+        return
     log.info("job %s: sent as %s (%d records)", job.pk, upstream_id, job.records)
     _later(job.pk, when)
 
@@ -352,9 +483,18 @@ def _refused(job: ProviderJob, context: _Context, exc: wire.Refused) -> None:
     _fail_records(job, Code.UPSTREAM_ERROR, f"batch item: upstream status {exc.status}", exc.status, body, frm=frm)
 
 
+def _score_no_answer(context: _Context, batch: Batch, exc: Exception) -> None:
+    """A call that got no HTTP answer scores the key's breaker as a live call's does (policies.breaker.RULES):
+    a connect failure benches the key for everyone, a break after sending scores the batch's submitter."""
+    failure = breaker.transport_failure(exc.kind) if isinstance(exc, UpstreamError) else None
+    if failure is not None:
+        key_hash = sha256_hex(context.target.key_value)[:12]
+        breaker.record_failure(key_hash, failure, principal=breaker.principal_tag(batch.submitter()))
+
+
 def _wait(job: ProviderJob, seconds: float, why: str, frm: str | None = None, **fields) -> None:
     when = timezone.now() + timezone.timedelta(seconds=seconds)
-    _set(job, frm or job.status, status=JobStatus.PENDING, not_before=when, last_error=why[:500], **fields)
+    _set(job, frm or job.status, status=JobStatus.PENDING, not_before=when, last_error=_why(why), **fields)
     log.info("job %s: waiting %.0fs: %s", job.pk, seconds, why)
     _later(job.pk, when)
 
@@ -382,8 +522,19 @@ def _find(job: ProviderJob) -> None:
     if context is None or context.target is None:
         _wait(job, _backoff(job.create_attempts), "the job's key is gone: sent again", frm=JobStatus.SUBMITTING)
         return
+    # The upstream batches other jobs on this host already hold are nobody's lost create (Anthropic: found by
+    # reading candidates' results, so one another job holds is never waited on).
+    owned = set()
+    if job.kind == "anthropic":
+        since = (job.submit_started_at or job.created_at) - wire.FIND_WINDOW
+        others = ProviderJob.objects.filter(host_id=job.host_id, kind=job.kind, submitted_at__gte=since)
+        owned = set(others.exclude(upstream_id="").exclude(pk=job.pk).values_list("upstream_id", flat=True))
     try:
-        upstream_id = wire.find(context.target, job)
+        upstream_id = wire.find(context.target, job, owned)
+    except wire.NotYetKnown as exc:
+        log.info("job %s: its lost create cannot be told apart yet (%s): looked for again later", job.pk, exc)
+        _later(job.pk, job.not_before)
+        return
     except (wire.Refused, Exception) as exc:
         log.warning("job %s: looking for its upstream batch failed: %s", job.pk, exc)
         _later(job.pk, job.not_before)
@@ -394,7 +545,8 @@ def _find(job: ProviderJob) -> None:
         dispatch.hand_off(TASK, job.pk)
         return
     try:
-        _started(job, upstream_id)
+        with transaction.atomic():
+            _started(job, upstream_id)
     except Exception:  # another job adopted it (uniq_provider_job_upstream): this one was never created
         log.warning("job %s: %s belongs to another job: sending it again", job.pk, upstream_id)
         _set(job, JobStatus.SUBMITTING, status=JobStatus.PENDING, not_before=None)
@@ -412,7 +564,7 @@ def _poll(job: ProviderJob) -> None:
     try:
         st = wire.status(context.target, job.kind, job.upstream_id)
     except (wire.Refused, Exception) as exc:  # a provider answering 500 to polls: poll again, never fail
-        ProviderJob.objects.filter(pk=job.pk).update(last_error=f"poll: {exc}"[:500])
+        ProviderJob.objects.filter(pk=job.pk).update(last_error=_why(f"poll: {exc}"))
         _later(job.pk, job.not_before)
         return
     ProviderJob.objects.filter(pk=job.pk, status=JobStatus.RUNNING).update(
@@ -425,7 +577,7 @@ def _poll(job: ProviderJob) -> None:
         if st.capacity:
             _capacity(job, JobStatus.RUNNING, None, f"the provider failed the job: {st.message}")
         else:
-            message = f"batch item: the provider failed its batch job: {st.message}"
+            message = _why(f"batch item: the provider failed its batch job: {st.message}")
             _fail_records(job, Code.UPSTREAM_ERROR, message, frm=JobStatus.RUNNING)
         return
     _set(job, JobStatus.RUNNING, status=JobStatus.INGESTING, ended_at=timezone.now(), not_before=None)
@@ -446,18 +598,19 @@ def _ingest(job: ProviderJob, st: "wire.Status | None" = None) -> None:
     except (wire.Refused, Exception) as exc:
         # Reading the results broke off: what was written stays (fenced per record), the rest next time.
         log.warning("job %s: reading its results failed: %s", job.pk, exc, exc_info=True)
-        ProviderJob.objects.filter(pk=job.pk).update(last_error=f"results: {exc}"[:500])
+        ProviderJob.objects.filter(pk=job.pk).update(last_error=_why(f"results: {exc}"))
         _later(job.pk, job.not_before)
         return
-    results.missing(job, context)
-    _set(job, JobStatus.INGESTING, status=JobStatus.DONE, not_before=None)
+    with transaction.atomic():
+        results.missing(job, context)
+        _end(job, JobStatus.INGESTING, status=JobStatus.DONE, not_before=None)
     stop.complete_if_done(job.batch_id)
     dispatch.wake_workers()  # records the provider expired may have come back to the relay (auto)
 
 
 def _renew(job: ProviderJob) -> None:
     until = timezone.now() + timezone.timedelta(seconds=INGEST_LEASE_S)
-    ProviderJob.objects.filter(pk=job.pk, status=JobStatus.INGESTING).update(not_before=until)
+    ProviderJob.objects.filter(pk=job.pk, status=JobStatus.INGESTING, lease=job.lease).update(not_before=until)
 
 
 # --- endings without results ----------------------------------------------------------------------
@@ -466,7 +619,8 @@ def _renew(job: ProviderJob) -> None:
 def _release(job: ProviderJob, note: str, frm: str | None = None) -> None:
     """auto mode (or the catalog changed): the job's records go back to the relay's workers."""
     with transaction.atomic():
-        if not _set(job, frm or job.status, status=JobStatus.RELEASED, not_before=None):
+        # The records reserve their own worst case when the relay runs them: the job's reservation goes back.
+        if not _end(job, frm or job.status, status=JobStatus.RELEASED, not_before=None):
             return
         n = delegated.back_to_relay(job.pk, note)
     log.info("job %s: %d records go back to the relay (%s)", job.pk, n, note)
@@ -479,12 +633,13 @@ def _end_unsent(job: ProviderJob) -> None:
     code = Code.BATCH_EXPIRED if flags else Code.BATCH_CANCELLED
     with transaction.atomic():
         results.stop_records(job, code)
-        _set(job, JobStatus.PENDING, status=JobStatus.DONE, not_before=None)
+        _end(job, JobStatus.PENDING, status=JobStatus.DONE, not_before=None)
     stop.complete_if_done(job.batch_id)
 
 
 def _fail_records(job, code: str, error: str, status: int | None = None, body: str = "", frm=None) -> None:
+    error = _why(error)
     with transaction.atomic():
         results.fail_records(job, code, error, status, body)
-        _set(job, frm or job.status, status=JobStatus.DONE, not_before=None, last_error=error[:500])
+        _end(job, frm or job.status, status=JobStatus.DONE, not_before=None, last_error=error)
     stop.complete_if_done(job.batch_id)

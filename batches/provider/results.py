@@ -89,20 +89,22 @@ def _apply(job, context, chunk: list) -> int:
         changed = _update(job, rows, now)
         written = [events[item_id] for item_id in changed if item_id in events]
         _record_events(written)
-        _charge_budgets(written)
+        _charge_budgets(job, written, len(changed))
     return len(changed)
 
 
-def _charge_budgets(events: list[dict]) -> None:
+def _charge_budgets(job, events: list[dict], final: int) -> None:
     """The chunk's billed cost to the spend budgets of its batch (usage/budgets.py), in one charge: every
-    event of a job shares its batch's attribution. A provider-run record reserves nothing beforehand (it
-    is never claimed; its cost is known only from the provider's results), so a budget may be overshot by
-    the records of jobs in flight when it ran out (docs/budgets.md)."""
+    event of a job shares its batch's attribution. A job that reserved before it was sent settles its
+    `final` records' share of the reservation with it (the rest goes back when the job ends); one that
+    reserved nothing (no budget applied when it was sent) is charged as a live call is."""
     total = 0
     for event in events:
         billed = event.get("billed_cost_nano_usd")
         total += (event.get("cost_nano_usd") if billed is None else billed) or 0
-    if total:
+    if job.budget_hold:
+        budgets.settle_job_part(job.budget_hold, final, total)
+    elif total:
         budgets.charge_event({**events[0], "billed_cost_nano_usd": total})
 
 

@@ -1,8 +1,9 @@
 """The providers' batch APIs, as the jobs need them: send a job, read its status, find a job whose create
 outcome was lost, cancel it, and read its results line by line. OpenAI: Files + Batches (the records as a
 JSONL file, `metadata.relay_job` naming the job). Anthropic: Message Batches (the records in the create
-body; no metadata, so a lost create is found by the job's size and time, and its results by the relay-made
-custom_ids). Every call goes through relay.upstream's `exchange` (the one HTTP choke point)."""
+body; no metadata, so a lost create is found by the relay-made custom_ids in a candidate's results, never by
+its size and time alone, and so are its results). Every call goes through relay.upstream's `exchange` (the
+one HTTP choke point)."""
 
 import json
 import logging
@@ -23,6 +24,16 @@ log = logging.getLogger(__name__)
 # How far back a lost create is looked for, and how many pages of the provider's list are read at most.
 FIND_WINDOW = timedelta(minutes=30)
 FIND_PAGES = 10
+
+
+class NotYetKnown(Exception):
+    """A lost create cannot be decided yet: a candidate batch that may be the job's has not ended, and its
+    results (which name its records) are the only proof of whose it is. Look again later; never create."""
+
+
+class LeaseLost(Exception):
+    """The job's lease passed to another taker while this process was sending it: the send is abandoned
+    (the body is cut off unfinished, so the provider creates nothing from it)."""
 
 
 class Refused(Exception):
@@ -78,12 +89,15 @@ class Target:
     base_url: str
     adapter: str
     key_value: str
+    # The host key, for the provider account it bills (OpenAI-Organization / OpenAI-Project): a job's headers
+    # are the operator's, as a live call's are (relay.adapters); no caller header reaches a provider job.
+    key: object = None
 
     def url(self, path: str) -> str:
         return adapters.upstream_url(self.base_url, path)
 
     def headers(self, **extra) -> dict:
-        return {**adapters.upstream_headers(self.adapter, self.key_value), **extra}
+        return {**adapters.upstream_headers(self.adapter, self.key_value, key=self.key), **extra}
 
 
 def _call(target: Target, method: str, path: str, *, data=None, headers=None, stream=False):
@@ -146,6 +160,7 @@ class InputFile:
         self.boundary = f"relay-{uuid.uuid4().hex}"
         self.file = tempfile.TemporaryFile()  # noqa: SIM115 - closed by close()
         self.records = 0
+        self.on_read = None
         if kind == "openai":
             self.file.write(
                 (
@@ -167,13 +182,41 @@ class InputFile:
         self.records += 1
 
     def finish(self):
+        """The body to send, from its start. With `on_read` set (a callable raising LeaseLost), it is called as
+        the body is read out, so a sender that lost its job stops mid-body."""
         self.file.write(f"\r\n--{self.boundary}--\r\n".encode() if self.kind == "openai" else b"]}")
         self.file.flush()
         self.file.seek(0)
-        return self.file
+        return _Guarded(self.file, self.on_read) if self.on_read is not None else self.file
 
     def close(self) -> None:
         self.file.close()
+
+
+class _Guarded:
+    """A body file whose every read first asks `check` (which raises to stop the send). requests streams a
+    body with `read` and sizes it by `fileno`, `mode` and `tell` (a body it cannot size goes chunked), so those
+    are the file's own."""
+
+    def __init__(self, file, check):
+        self.file, self.check = file, check
+        self.mode = file.mode
+
+    def read(self, size=-1):
+        self.check()
+        return self.file.read(size)
+
+    def fileno(self):
+        return self.file.fileno()
+
+    def tell(self):
+        return self.file.tell()
+
+    def seek(self, *args):
+        return self.file.seek(*args)
+
+    def __iter__(self):
+        return iter(lambda: self.read(64 * 1024), b"")
 
 
 # --- OpenAI: Files + Batches ----------------------------------------------------------------------
@@ -305,15 +348,25 @@ def anthropic_status(target: Target, upstream_id: str) -> Status:
     return status
 
 
-def anthropic_find(target: Target, job) -> str | None:
-    """A message batch made within the window of the job's send with exactly its number of requests."""
+def anthropic_find(target: Target, job, owned=frozenset()) -> str | None:
+    """The message batch the job's lost create made, if the provider has it. Anthropic keeps no metadata, and
+    two jobs of one size sent together look alike: a candidate (made within the window of the job's send
+    with exactly its number of requests) is the job's only if its results name the job's own relay-made
+    custom_ids. A candidate still running cannot be read yet: NotYetKnown (look again), never adopted.
+    `owned`: upstream ids other jobs already hold (never candidates: a job waits only on unclaimed ones)."""
     since = (job.submit_started_at or job.created_at) - timedelta(seconds=5)
+    unread = []
 
     def matches(row: dict) -> bool:
         counts = row.get("request_counts") if isinstance(row.get("request_counts"), dict) else {}
-        return _created(row) >= since and sum(_int(v) for v in counts.values()) == job.records
+        if _created(row) < since or sum(_int(v) for v in counts.values()) != job.records or row.get("id") in owned:
+            return False
+        if row.get("processing_status") != "ended" or not isinstance(row.get("results_url"), str):
+            unread.append(row.get("id"))
+            return False
+        return _first_custom_id(target, row["results_url"]).partition("-")[0] == job.id.hex
 
-    return _find_listed(
+    found = _find_listed(
         target,
         "/v1/messages/batches",
         "after_id",
@@ -321,6 +374,22 @@ def anthropic_find(target: Target, job) -> str | None:
         matches,
         lambda page, rows: page.get("last_id") or rows[-1].get("id"),
     )
+    if found is None and unread:
+        raise NotYetKnown(f"{len(unread)} candidate batch(es) still running: {', '.join(map(str, unread[:3]))}")
+    return found
+
+
+def _first_custom_id(target: Target, url: str) -> str:
+    """The custom_id of a message batch's first result (the rest is not read)."""
+    resp = _accepted(upstream.exchange("GET", url, headers=target.headers(), stream=True), stream=True)
+    lines = _jsonl(resp, _anthropic_line)
+    try:
+        for result in lines:
+            if result.custom_id:
+                return result.custom_id
+        return ""
+    finally:
+        lines.close()  # closes the response: the rest of the results is never downloaded
 
 
 def anthropic_results(target: Target, status: Status) -> Iterator[Result]:
@@ -359,8 +428,8 @@ def status(target: Target, kind: str, upstream_id: str) -> Status:
     return openai_status(target, upstream_id) if kind == "openai" else anthropic_status(target, upstream_id)
 
 
-def find(target: Target, job) -> str | None:
-    return openai_find(target, job) if job.kind == "openai" else anthropic_find(target, job)
+def find(target: Target, job, owned=frozenset()) -> str | None:
+    return openai_find(target, job) if job.kind == "openai" else anthropic_find(target, job, owned)
 
 
 def results(target: Target, kind: str, st: Status) -> Iterator[Result]:

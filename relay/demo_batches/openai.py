@@ -42,6 +42,7 @@ class OpenAIJob(Job):
         self.model = None
         self.errors = None
         self.token_limit = False
+        self.fail_message = ""  # fail validation with this message (ProviderBatches.fail_jobs)
         self.starts = array("q")
         self.ends = array("q")
         self.completed = 0
@@ -214,6 +215,8 @@ class OpenAIBatches:
             if self._token_limit > 0:
                 self._token_limit -= 1
                 job.token_limit = True
+            if self._fail_messages:
+                job.fail_message = self._fail_messages.pop(0)
             self.jobs[job.id] = job
         ctx["entry"]["job"] = job.id
         return Answer(200, job.object(), **options)
@@ -306,6 +309,8 @@ class OpenAIBatches:
             errors.append(
                 {"code": "file_too_large", "line": None, "message": "The input file exceeds 200 MB.", "param": None}
             )
+        elif job.fail_message:
+            errors.append({"code": "invalid_request", "line": None, "message": job.fail_message, "param": None})
         elif job.token_limit:
             errors.append(
                 {

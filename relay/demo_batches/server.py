@@ -70,6 +70,7 @@ class ProviderBatches(OpenAIBatches, AnthropicBatches):
             self._refuse: dict[str, int] = {}
             self._retry_after = 1
             self._token_limit = 0
+            self._fail_messages: list[str] = []
             self._expire_texts: list[bytes] = []
             self._polls_fail_until = 0.0
             self._hold: threading.Event | None = None
@@ -87,6 +88,12 @@ class ProviderBatches(OpenAIBatches, AnthropicBatches):
         errors.data[0].code == "token_limit_exceeded", as OpenAI does past an enqueued-token limit."""
         with self.lock:
             self._token_limit = n
+
+    def fail_jobs(self, message: str, n: int = 1) -> None:
+        """The next `n` OpenAI batches go to `failed` when validated with errors.data[0].message == `message`
+        (code `invalid_request`): the provider's own words about a job, which may quote anything it holds."""
+        with self.lock:
+            self._fail_messages += [message] * n
 
     def expire_when(self, text: str) -> None:
         """Records whose raw line contains `text` never finish: they end expired at the job's window (T)."""
@@ -116,7 +123,8 @@ class ProviderBatches(OpenAIBatches, AnthropicBatches):
 
     def requests(self, op=None, job=None, key=None, provider=None, method=None) -> list[dict]:
         """Logged batch-API requests matching every given field. Each is {"t" (clock()), "method", "path",
-        "provider", "op", "key", "job" (a batch id or None), "file" (a file id or None), "status"}. ops:
+        "provider", "op", "key", "headers" (lower-cased names), "job" (a batch id or None), "file" (a file id or
+        None), "status"}. ops:
         upload, files, file, content, delete_file, create, list, retrieve, cancel, results, delete."""
         want = {"op": op, "job": job, "key": key, "provider": provider, "method": method}
         with self.lock:
@@ -171,6 +179,7 @@ class ProviderBatches(OpenAIBatches, AnthropicBatches):
         provider = route[0] if route else ("anthropic" if path.startswith("/v1/messages/") else "openai")
         op, ids = (route[1], route[2]) if route else (None, {})
         entry = {"t": self.clock(), "method": method, "path": path, "provider": provider, "op": op, "key": key}
+        entry["headers"] = {name.lower(): value for name, value in handler.headers.items()}  # what reached it
         entry.update(job=None, file=None, status=None)
         error = openai_error if provider == "openai" else anthropic_error
         if route is None:
