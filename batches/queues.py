@@ -9,12 +9,12 @@ CONTROL_QUEUE = "control"
 # Anything not routed (Celery's default queue): served by the control worker.
 DEFAULT_QUEUE = "default"
 QUEUES = (ITEM_QUEUE, CONTROL_QUEUE, DEFAULT_QUEUE)
+# Webhook deliveries are none of these: PostgreSQL's pending deliveries are their queue, served by the webhook
+# lane process (relay/processes.py `webhooks`, batches/webhooks/lane.py), never by the control worker.
 
 TASK_ROUTES = {
     "batches.tasks.run_items": {"queue": ITEM_QUEUE},
     "batches.tasks.*": {"queue": CONTROL_QUEUE},
-    # Webhook deliveries and their sweep (batches/webhooks/tasks.py): control work too.
-    "batches.webhooks.tasks.*": {"queue": CONTROL_QUEUE},
     # /metrics' usage rollup (relay/tasks.py).
     "relay.tasks.*": {"queue": CONTROL_QUEUE},
 }

@@ -15,7 +15,8 @@ _ENDPOINT_PROPS = {
     "signing_secret_hint": nullable(STR),
     "created_at": TS,
     "updated_at": nullable(TS),
-    "paused_at": {**nullable(TS), "description": "set while deliveries are paused (every one failed for 72 h)"},
+    "paused_at": {**nullable(TS), "description": "set while deliveries are paused (automatically or by an operator)"},
+    "paused_reason": {**nullable(STR), "description": "why deliveries are paused; POST …/resume clears it"},
 }
 _ENDPOINT_REQUIRED = ["id", "object", "name", "url", "event_types", "created_at"]
 
@@ -64,17 +65,6 @@ SCHEMAS = {
         "required": ["event_type"],
         "properties": {"event_type": {"enum": EVENT_TYPES}},
         "additionalProperties": False,
-    },
-    "WebhookEndpointTestResult": {
-        "type": "object",
-        "required": ["object", "webhook_endpoint_id", "event_type", "status_code", "success"],
-        "properties": {
-            "object": {"const": "webhook_endpoint.test"},
-            "webhook_endpoint_id": STR,
-            "event_type": STR,
-            "status_code": {**INT, "description": "the receiver's answer"},
-            "success": {"const": True},
-        },
     },
     "WebhookEvent": {
         "type": "object",
@@ -179,10 +169,23 @@ def operations(resp, json_body, errors) -> dict:
             "responses": {"200": resp("the endpoint, with its new secret", "WebhookEndpointWithSecret"), **errors},
         },
         (one + "/test", "post"): {
-            "summary": "Send a real signed sample event now",
+            "summary": "Queue a real signed sample event (sent once, at once, by the webhook lane)",
             "tags": tags,
             "requestBody": {"required": True, "content": json_body("WebhookTest")},
-            "responses": {"200": resp("the receiver's answer", "WebhookEndpointTestResult"), **errors},
+            "responses": {
+                "202": resp("the test delivery, queued: poll it for the receiver's answer", "WebhookDelivery"),
+                **errors,
+            },
+        },
+        (one + "/resume", "post"): {
+            "summary": "Resume a paused endpoint: what waited is sent now",
+            "tags": tags,
+            "responses": {"200": resp("the endpoint", "WebhookEndpoint"), **errors},
+        },
+        (one + "/deliveries/{delivery_id}", "get"): {
+            "summary": "One delivery, with its latest attempts",
+            "tags": tags,
+            "responses": {"200": resp("the delivery", "WebhookDelivery"), **errors},
         },
         (one + "/deliveries", "get"): {
             "summary": "The endpoint's deliveries, newest first, with their attempts",

@@ -1,6 +1,6 @@
 """The relay's background processes, defined once.
 
-compose.yaml (`python -m relay.processes worker|control|beat`), embedded mode,
+compose.yaml (`python -m relay.processes worker|control|webhooks|beat`), embedded mode,
 the tests and the benchmarks all start them from here, so each runs exactly as
 production does:
 
@@ -8,6 +8,9 @@ production does:
   threads of one process (see `worker_argv`).
 - `control` — control work: queue `control` (sweeping, validation, finalization) and `default`.
   Its own pool, so control work never waits behind items and never takes an item slot.
+- `webhooks` — webhook deliveries (batches/webhooks/lane.py): not a Celery worker but a loop that picks due
+  deliveries from PostgreSQL fairly across owners and POSTs many at once, with per-endpoint and per-owner
+  caps. Its own process, so a tenant's receivers that never answer cannot take a control slot.
 - `beat`    — the periodic jobs (the sweeper), one per deployment.
 
 Usage: `python -m relay.processes ROLE [--name NAME] [--schedule FILE] [--loglevel LEVEL]`.
@@ -28,7 +31,7 @@ WORKER_CONCURRENCY = 8
 CONTROL_CONCURRENCY = 4
 ITEM_QUEUES = queues.ITEM_QUEUE
 CONTROL_QUEUES = f"{queues.CONTROL_QUEUE},{queues.DEFAULT_QUEUE}"
-ROLES = ("worker", "control", "beat")
+ROLES = ("worker", "control", "webhooks", "beat")
 
 
 def run_warm_up(steps, log, *, what: str, first: str) -> None:
@@ -96,6 +99,23 @@ def control_argv(python: str, name: str, *, loglevel: str = "INFO") -> list[str]
     ]
 
 
+def webhooks_argv(python: str, name: str, *, loglevel: str = "INFO") -> list[str]:
+    """The webhook lane: deliveries, concurrently, on a lane of their own (RELAY_WEBHOOK_CONCURRENCY)."""
+    return [python, "-m", "relay.processes", "webhooks", "--name", f"webhooks-{name}", "--loglevel", loglevel]
+
+
+def run_webhooks(name: str, loglevel: str) -> None:
+    """Become the webhook lane: set Django up (its logging config, scrub filter included) and loop until SIGTERM."""
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "relay.settings")
+    os.environ["LOG_LEVEL"] = loglevel
+    import django
+
+    django.setup()
+    from batches.webhooks import lane
+
+    lane.main(name)
+
+
 def beat_argv(python: str, schedule: str, *, loglevel: str = "INFO") -> list[str]:
     """The periodic jobs. `schedule` is beat's state file: keep it out of the working directory."""
     return [*_celery(python), "beat", "--loglevel", loglevel, "-s", schedule]
@@ -106,6 +126,7 @@ def fleet(python: str, name: str, *, schedule: str, loglevel: str = "INFO") -> l
     return [
         ("worker", worker_argv(python, name, loglevel=loglevel)),
         ("control", control_argv(python, name, loglevel=loglevel)),
+        ("webhooks", webhooks_argv(python, name, loglevel=loglevel)),
         ("beat", beat_argv(python, schedule, loglevel=loglevel)),
     ]
 
@@ -121,6 +142,9 @@ def main(argv: list[str] | None = None) -> None:
         cmd = worker_argv(sys.executable, args.name, loglevel=args.loglevel)
     elif args.role == "control":
         cmd = control_argv(sys.executable, args.name, loglevel=args.loglevel)
+    elif args.role == "webhooks":
+        run_webhooks(args.name, args.loglevel)  # this process is the lane (no exec: it is Python already)
+        return
     else:
         cmd = beat_argv(sys.executable, args.schedule, loglevel=args.loglevel)
     os.execv(sys.executable, cmd)  # become the process: signals from compose reach Celery directly

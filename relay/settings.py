@@ -45,6 +45,11 @@ def _secret(name: str) -> str:
 SECRET_KEY = _secret("SECRET_KEY")
 RELAY_MASTER_KEY = _secret("RELAY_MASTER_KEY")
 RELAY_ADMIN_TOKEN = _secret("RELAY_ADMIN_TOKEN")
+# A host key's `value_from: {env: NAME}` is read only when NAME starts with this (relay.models.HostKey): the
+# process that calls providers also holds the secrets above, the database URL and cloud credentials.
+RELAY_HOSTKEY_ENV_PREFIX = env.str("RELAY_HOSTKEY_ENV_PREFIX", default="RELAY_HOSTKEY_")
+if not RELAY_HOSTKEY_ENV_PREFIX:
+    raise ImproperlyConfigured("RELAY_HOSTKEY_ENV_PREFIX must not be empty: it keeps host keys off other variables")
 
 ALLOWED_HOSTS = env.list("ALLOWED_HOSTS", default=["*"])
 CSRF_TRUSTED_ORIGINS = env.list("CSRF_TRUSTED_ORIGINS", default=[])
@@ -88,7 +93,8 @@ AUTH_USER_MODEL = "relay.User"
 TEMPLATES = [
     {
         "BACKEND": "django.template.backends.django.DjangoTemplates",
-        "DIRS": [],
+        # First: relay/templates/admin/base_site.html (the admin pages' shared style) over the admin app's own.
+        "DIRS": [BASE_DIR / "relay" / "templates"],
         "APP_DIRS": True,
         "OPTIONS": {
             "context_processors": [
@@ -377,12 +383,32 @@ if not 0 < RELAY_WEBHOOK_RETRY_BASE_SECONDS <= RELAY_WEBHOOK_RETRY_MAX_SECONDS:
 # A failing endpoint not tried for this long gets its next delivery now: a receiver back from an outage
 # has its backlog within about this, however far the backoff has grown.
 RELAY_WEBHOOK_PROBE_SECONDS = env.float("RELAY_WEBHOOK_PROBE_SECONDS", default=30.0)
-# How often the webhook sweep re-sends lost delivery messages (a Redis flush, a killed worker).
-RELAY_WEBHOOK_SWEEP_SECONDS = env.float("RELAY_WEBHOOK_SWEEP_SECONDS", default=5.0)
 # Hosts exempt from the SSRF guard (any address, plain http allowed): development and tests only.
 # Embedded mode lists 127.0.0.1 (relay/embedded.py), so a receiver on the same machine works.
 RELAY_WEBHOOK_ALLOWED_HOSTS = env.list("RELAY_WEBHOOK_ALLOWED_HOSTS", default=[])
-CELERY_BEAT_SCHEDULE["webhook-sweeper"] = {
-    "task": "batches.webhooks.tasks.sweep",
-    "schedule": RELAY_WEBHOOK_SWEEP_SECONDS,
-}
+# Deliveries run in their own lane (`python -m relay.processes webhooks`, batches/webhooks/lane.py), never on
+# the control queue. POSTs in flight per lane process, at most per endpoint (a failing endpoint: one) and per
+# owner across every lane (counted by their leases), so one tenant's dead receivers hold only its own share.
+RELAY_WEBHOOK_CONCURRENCY = env.int("RELAY_WEBHOOK_CONCURRENCY", default=64)
+RELAY_WEBHOOK_ENDPOINT_IN_FLIGHT = env.int("RELAY_WEBHOOK_ENDPOINT_IN_FLIGHT", default=4)
+RELAY_WEBHOOK_OWNER_IN_FLIGHT = env.int("RELAY_WEBHOOK_OWNER_IN_FLIGHT", default=8)
+if not 1 <= RELAY_WEBHOOK_ENDPOINT_IN_FLIGHT <= RELAY_WEBHOOK_OWNER_IN_FLIGHT <= RELAY_WEBHOOK_CONCURRENCY:
+    raise ImproperlyConfigured(
+        "need 1 <= RELAY_WEBHOOK_ENDPOINT_IN_FLIGHT <= RELAY_WEBHOOK_OWNER_IN_FLIGHT <= RELAY_WEBHOOK_CONCURRENCY"
+    )
+# One attempt's timeouts, phase by phase: resolving the host, connecting (TCP and TLS), the answer's first
+# byte, and the whole attempt from the connect to the answer's first KiB.
+RELAY_WEBHOOK_DNS_TIMEOUT_SECONDS = env.float("RELAY_WEBHOOK_DNS_TIMEOUT_SECONDS", default=2.0)
+RELAY_WEBHOOK_CONNECT_TIMEOUT_SECONDS = env.float("RELAY_WEBHOOK_CONNECT_TIMEOUT_SECONDS", default=3.0)
+RELAY_WEBHOOK_FIRST_BYTE_TIMEOUT_SECONDS = env.float("RELAY_WEBHOOK_FIRST_BYTE_TIMEOUT_SECONDS", default=5.0)
+RELAY_WEBHOOK_TIMEOUT_SECONDS = env.float("RELAY_WEBHOOK_TIMEOUT_SECONDS", default=10.0)
+# The lane looks for due deliveries at least this often (a committed event wakes it at once through Redis).
+RELAY_WEBHOOK_POLL_SECONDS = env.float("RELAY_WEBHOOK_POLL_SECONDS", default=1.0)
+# Endpoints one owner may register; one more is a 400.
+RELAY_WEBHOOK_MAX_ENDPOINTS = env.int("RELAY_WEBHOOK_MAX_ENDPOINTS", default=20)
+# An endpoint is paused automatically (its owner sees `paused_reason`) once every attempt has failed for this
+# long, and at least RELAY_WEBHOOK_PAUSE_AFTER_FAILURES attempts in a row.
+RELAY_WEBHOOK_PAUSE_AFTER_SECONDS = env.int("RELAY_WEBHOOK_PAUSE_AFTER_SECONDS", default=24 * 3600)
+RELAY_WEBHOOK_PAUSE_AFTER_FAILURES = env.int("RELAY_WEBHOOK_PAUSE_AFTER_FAILURES", default=20)
+# Delivered and failed deliveries (with their attempts) are deleted this long after their last attempt; 0 keeps them.
+RELAY_WEBHOOK_RETENTION_SECONDS = env.int("RELAY_WEBHOOK_RETENTION_SECONDS", default=30 * 24 * 3600)

@@ -47,9 +47,9 @@
 #   BENCH_STREAM_SECONDS      [3]     duration of each of its throughput cells (1 and 50 streams, unpaced and paced)
 #   BENCH_STREAM_EVENT_MS     [10]    pace of its paced cells (ms between two events, a fast model's pace)
 #   BENCH_STREAM_OPEN         [200]   streams held open while /healthz and whole answers are timed
-#   BENCH_HOOKS_EVENTS        [10000] webhook events raised at BENCH_HOOKS_RATE [200]/s (bench/webhooks.py) …
-#   BENCH_HOOKS_BURST         [2000]  … then raised at once; BENCH_HOOKS_OUTAGE_S [60] of receiver outage at
-#                                     BENCH_HOOKS_OUTAGE_RATE [5]/s; BENCH_HOOKS_ITEMS [12000] keep the item slots busy
+#   BENCH_HOOKS_EVENTS        [10000] webhook events (bench/webhooks.py) to BENCH_HOOKS_ENDPOINTS [100] tenants' endpoints,
+#                                     BENCH_HOOKS_SILENT [10] of them never answering, raised at BENCH_HOOKS_RATE [300]/s
+#                                     from BENCH_HOOKS_RAISERS [3] processes
 #   BENCH_REDIS_DB_HOOKS      [14]    the webhook benchmark's Redis db (PostgreSQL: relay_bench_hooks)
 #   BENCH_PROVIDER_ITEMS      [50000] records of the provider-mode batch (OpenAI surface, binding batch_mode provider)
 #   BENCH_PROVIDER_JOB_SECONDS [120]  how long the fake provider runs that job (the relay polls at its defaults)
@@ -69,7 +69,7 @@ if [[ ${BENCH_QUICK:-0} == 1 ]]; then
   export BENCH_SCALE_ITEMS=${BENCH_SCALE_ITEMS:-96} BENCH_RL_ITEMS=${BENCH_RL_ITEMS:-60}
   export BENCH_LIVE_N=${BENCH_LIVE_N:-200} BENCH_LIVE_WARMUP=${BENCH_LIVE_WARMUP:-30} BENCH_LIVE_SECONDS=${BENCH_LIVE_SECONDS:-3}
   export BENCH_STREAM_N=${BENCH_STREAM_N:-100} BENCH_STREAM_SECONDS=${BENCH_STREAM_SECONDS:-2}
-  export BENCH_HOOKS_EVENTS=${BENCH_HOOKS_EVENTS:-2000} BENCH_HOOKS_BURST=${BENCH_HOOKS_BURST:-500} BENCH_HOOKS_OUTAGE_S=${BENCH_HOOKS_OUTAGE_S:-20} BENCH_HOOKS_ITEMS=${BENCH_HOOKS_ITEMS:-4000}
+  export BENCH_HOOKS_EVENTS=${BENCH_HOOKS_EVENTS:-2000}
   export BENCH_PROVIDER_ITEMS=${BENCH_PROVIDER_ITEMS:-5000} BENCH_PROVIDER_JOB_SECONDS=${BENCH_PROVIDER_JOB_SECONDS:-30}
 fi
 bash scripts/venv.sh requirements-dev.txt

@@ -460,28 +460,38 @@ def test_rotation_keeps_the_old_secret_signing_for_24_hours_only_when_asked(cata
     assert api("post", path, catalog.key, {"keep_old_secret_active_for_24_hours": "yes"}).status_code == 400
 
 
-def test_the_test_route_sends_a_real_signed_sample_and_answers_the_receivers_status(catalog, receiver):
+def test_the_test_route_queues_a_real_signed_sample_at_once_and_the_lane_sends_it_once(catalog, receiver):
     made = create(catalog.key, receiver.url)
     receiver.script.append((418, 0, {}, b"teapot"))
     path = f"/v1/webhook_endpoints/{made['id']}/test"
     resp = api("post", path, catalog.key, {"event_type": "message_batch.ended"})
-    assert resp.status_code == 200, resp.content
-    assert resp.json() == {
-        "object": "webhook_endpoint.test",
-        "webhook_endpoint_id": made["id"],
-        "event_type": "message_batch.ended",
-        "status_code": 418,
-        "success": True,
-    }
+    assert resp.status_code == 202, resp.content  # queued: no web thread waits for the receiver
+    queued = resp.json()
+    assert queued["object"] == "webhook_endpoint.delivery" and queued["status"] == "pending" and queued["test"]
+    assert queued["event"]["type"] == "message_batch.ended" and queued["attempts"] == 0
+    assert not receiver.received
+    test_delivery = Delivery.objects.get()
+    assert deliveries.deliver(test_delivery.pk) == "failed"  # the lane's attempt: a test is sent once
+    shown = api("get", f"/v1/webhook_endpoints/{made['id']}/deliveries/{queued['id']}", catalog.key).json()
+    assert shown["status"] == "failed" and shown["last_status_code"] == 418 and shown["next_attempt_at"] is None
+    assert shown["latest_attempts"][0]["response_head"] == "teapot"
     payload = Webhook(made["signing_secret"]).verify(receiver.received[0].body, receiver.received[0].headers)
     assert payload["type"] == "message_batch.ended" and payload["data"]["id"].startswith("msgbatch_")
+    endpoint = WebhookEndpoint.objects.get()
+    assert endpoint.failing_since is None and endpoint.consecutive_failures == 0  # a test says nothing of health
     assert api("post", path, catalog.key, {"event_type": "response.completed"}).status_code == 400
     assert api("post", path, catalog.key, {}).json()["error"]["code"] == "missing_required_parameter"
-    test_delivery = Delivery.objects.get()
-    assert test_delivery.outcome == "failed" and test_delivery.event.test  # a test is sent once, never retried
-    receiver.stop()
-    down = api("post", path, catalog.key, {"event_type": "batch.completed"})
-    assert down.status_code == 400 and down.json()["error"]["code"] == "webhook_endpoint_unreachable"
+    assert Delivery.objects.count() == 1  # refused tests write nothing
+    ok = api("post", path, catalog.key, {"event_type": "batch.completed"}).json()
+    assert deliveries.deliver(Delivery.objects.get(pk=selectors_pk(ok["id"])).pk) == "delivered"
+    missing = api("get", f"/v1/webhook_endpoints/{made['id']}/deliveries/wh_{'0' * 32}", catalog.key)
+    assert missing.status_code == 404 and missing.json()["error"]["message"].startswith("No delivery found")
+
+
+def selectors_pk(public_id: str):
+    from batches.webhooks import selectors
+
+    return selectors.parse_public_id(public_id, "wh_")
 
 
 def test_deliveries_are_listed_newest_first_and_resent_with_the_same_webhook_id(catalog, receiver):
@@ -518,22 +528,20 @@ def test_metrics_show_deliveries_by_outcome_and_the_oldest_waiting_event(catalog
     assert "relay_webhook_oldest_undelivered_age_seconds 0.0" in page
 
 
-def test_the_sweep_resends_only_what_no_message_carries(catalog, receiver):
-    from batches import dispatch
-    from relay.redis import get_redis
-
+def test_a_lease_holds_a_delivery_until_it_runs_out_and_a_lost_lease_records_nothing(catalog, receiver):
     _, _, d = ended_event(catalog, receiver)
-    Delivery.objects.update(next_attempt_at=timezone.now() - timedelta(seconds=60))
-    assert deliveries.sweep()["resent"] == 1  # overdue and no message marked for it: lost
-    assert deliveries.sweep()["resent"] == 0  # its message now waits in the broker: a backlog, not a loss
-    assert dispatch.queue_length("control") == 1
-    get_redis().flushdb()  # the message and its mark are gone together
-    assert deliveries.sweep()["resent"] == 1
-    dispatch.webhook_taken(d.pk)  # a worker took it and died mid-POST: lost again
-    assert deliveries.sweep()["resent"] == 1
-    WebhookEndpoint.objects.update(paused_at=timezone.now())
-    get_redis().flushdb()
-    assert deliveries.sweep()["resent"] == 0  # a paused endpoint's deliveries wait for its resume
+    (first,) = deliveries.claim([d.pk], "lane-a")
+    assert deliveries.claim([d.pk], "lane-b") == []  # held: a second lane does not send it at once
+    assert deliveries.deliver(d.pk) == "skipped"
+    # Lane a died mid-POST: once its lease has run out, the delivery is due again and another lane takes it.
+    Delivery.objects.update(lease_expires_at=timezone.now() - timedelta(seconds=1))
+    (second,) = deliveries.claim([d.pk], "lane-b")
+    answer = deliveries.attempt(first)  # lane a's POST, answered after all
+    assert deliveries.finish(first, answer) == "skipped"  # fenced: a lost lease records nothing
+    assert deliveries.finish(second, deliveries.attempt(second)) == "delivered"
+    d.refresh_from_db()
+    assert d.attempts == 1 and d.lease_owner == "" and d.lease_expires_at is None
+    assert DeliveryAttempt.objects.count() == 1
 
 
 def test_the_admin_shows_deliveries_and_paused_endpoints_and_resends(catalog, receiver, client, django_user_model):
@@ -591,6 +599,9 @@ def test_the_answers_match_the_openapi_schema(catalog, receiver):
     listed = check(
         schema, "/v1/webhook_endpoints/{endpoint_id}/deliveries", "get", api("get", one + "/deliveries", catalog.key)
     )
+    shown = api("get", f"{one}/deliveries/{listed['data'][0]['id']}", catalog.key)
+    check(schema, "/v1/webhook_endpoints/{endpoint_id}/deliveries/{delivery_id}", "get", shown)
+    check(schema, "/v1/webhook_endpoints/{endpoint_id}/resume", "post", api("post", one + "/resume", catalog.key))
     resend = api("post", f"{one}/deliveries/{listed['data'][0]['id']}/resend", catalog.key)
     check(schema, "/v1/webhook_endpoints/{endpoint_id}/deliveries/{delivery_id}/resend", "post", resend)
     check(schema, "/v1/webhook_event_types", "get", api("get", "/v1/webhook_event_types", catalog.key))

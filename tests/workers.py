@@ -2,7 +2,7 @@
 
 The relay's background processes are started exactly as in production
 (relay.processes: the 8-slot item worker on `batch`, the control worker on
-`control`, beat), against the test database and the test Redis, with short
+`control`, the webhook lane, beat), against the test database and the test Redis, with short
 lease/heartbeat/sweep settings so crash recovery is observable in seconds.
 """
 
@@ -36,23 +36,25 @@ def database_url(settings_dict: dict) -> str:
 
 
 class Worker:
-    """The relay's background processes (relay.processes.fleet: item worker, control worker, beat),
+    """The relay's background processes (relay.processes.fleet: item worker, control worker, webhook lane, beat),
     each in its own process group, started exactly as compose.yaml starts them."""
 
     def __init__(self, db_url: str, name: str, extra_env: dict | None = None, beat: bool = True):
         self.name = name
         self.schedule = tempfile.mkdtemp(prefix="relay-beat-")
         env = {**os.environ, "DATABASE_URL": db_url, **TEST_BATCH_ENV, **(extra_env or {})}
-        self.logs, self.procs = {}, {}
+        self.logs, self.procs, self.argv = {}, {}, {}
+        self.env = env
         schedule = os.path.join(self.schedule, "beat")
         loglevel = os.environ.get("TEST_WORKER_LOGLEVEL", "WARNING")
         for role, args in fleet(sys.executable, name, schedule=schedule, loglevel=loglevel):
             if role == "beat" and not beat:
                 continue
-            if role != "beat":
+            if role in ("worker", "control"):  # the Celery workers (the webhook lane is not one)
                 args = [*args, "--without-gossip", "--without-mingle"]
             log = open(os.path.join(self.schedule, f"{role}.log"), "w+b")  # noqa: SIM115 - closed in stop()
             self.logs[role] = log
+            self.argv[role] = args
             self.procs[role] = subprocess.Popen(
                 args, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
@@ -75,6 +77,17 @@ class Worker:
             except ProcessLookupError:
                 pass
             proc.wait(timeout=10)
+
+    def restart(self, role: str) -> None:
+        """Start a role again after `kill(role)`, as compose's `restart: unless-stopped` would."""
+        self.procs[role] = subprocess.Popen(
+            self.argv[role],
+            env=self.env,
+            cwd=ROOT,
+            stdout=self.logs[role],
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def signal(self, sig: int, role: str = "worker") -> None:
         """Send a signal to one process group (SIGSTOP freezes it, SIGCONT thaws it)."""

@@ -1,18 +1,19 @@
 """Signed webhooks when a batch ends (docs/webhooks.md): OpenAI's Webhook Endpoints API, Standard Webhooks
-signatures, an outbox written with the batch's final move and delivered by the control worker.
+signatures, an outbox written with the batch's final move and delivered by the webhook lane — a process of its
+own, never the control worker.
 
 Rooms, bottom up (a module imports only those below it):
 
-    models.py      endpoints, events, deliveries, attempts
+    models.py      endpoints, events, deliveries (with their lease), attempts
     events.py      the event types and bodies per surface                      (models, batches.models)
     signing.py     secrets and Standard Webhooks signatures                    (stdlib)
     guard.py       where a delivery may go: the SSRF guard of tool executors   (batches.tools.netguard)
-    outbox.py      the event rows written inside a batch's final move          (models, events, dispatch)
-    delivery.py    one POST, its record, retries, pausing, the sweep           (outbox, signing, guard, dispatch)
+    outbox.py      the event rows written inside a batch's final move; wake    (models, events, relay.redis)
+    delivery.py    claim, one POST, its record, retries, pausing, probes, retention  (outbox, signing, guard)
+    lane.py        the lane process: fair, capped picks, many POSTs at once    (delivery, outbox)
     selectors.py   reads for the API, the admin and /metrics                   (models)
-    services.py    endpoint create/update/delete/rotate/test, resend, resume   (delivery, selectors)
+    services.py    endpoint create/update/delete/rotate/test, resend, pause, resume  (outbox, selectors)
     api/           thin DRF views                                              (services, selectors)
-    tasks.py       thin Celery tasks                                           (delivery)
 
 The lifecycle (batches/lifecycle/states.py) imports none of these: this app's ready() registers the outbox
 as a hook that `move` calls inside the transaction of every final move.

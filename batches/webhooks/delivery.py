@@ -1,66 +1,70 @@
-"""Delivering webhooks: one signed POST per attempt, its record, the retry schedule, pausing, the sweep.
+"""Delivering webhooks: one signed POST per attempt, its record, the retry schedule, pausing, probing, retention.
 
 At least once: a delivery is POSTed until an answer is 2xx, with the same `webhook-id` and body on every
 retry and a fresh timestamp and signature each time; receivers dedupe on the webhook-id.
 
-- An attempt holds its delivery's row (SKIP LOCKED) from before the POST until its record commits, so two
-  messages for one delivery never send it twice at once, and a worker killed mid-POST releases the row
-  with its connection: the next sweep sends it again. The POST has a total deadline of 10 s, well inside
-  the database's idle-in-transaction timeout (30 s); the address is resolved before the row is taken.
+- An attempt is three steps, so the webhook lane (lane.py) can run many at once without a database
+  connection per POST: `claim` leases due deliveries (lease_owner, lease_expires_at: a short UPDATE), `attempt`
+  resolves and POSTs with no database work, and `finish` records the answer in one transaction fenced on the
+  lease. A lane killed mid-POST loses nothing: the lease runs out and the delivery is due again; an attempt
+  whose lease was taken over records nothing. `deliver` runs the three steps for one delivery.
+- Every phase of an attempt has its own timeout: DNS (RELAY_WEBHOOK_DNS_TIMEOUT_SECONDS, guard.resolve),
+  connect with TLS (…_CONNECT_…), the answer's first byte (…_FIRST_BYTE_…) and the whole attempt
+  (RELAY_WEBHOOK_TIMEOUT_SECONDS).
 - 2xx is delivered. Anything else (another status, a 3xx: redirects are never followed, a network error,
   a refused address) is a failed attempt, retried after base × 2^(n-1) seconds capped at the maximum
   (RELAY_WEBHOOK_RETRY_BASE_SECONDS, RELAY_WEBHOOK_RETRY_MAX_SECONDS), jittered down to half of that (so a
   gap never exceeds the maximum), until RELAY_WEBHOOK_MAX_AGE_SECONDS after the event: then it fails.
-- An endpoint whose every delivery has failed for RELAY_WEBHOOK_MAX_AGE_SECONDS is paused instead: its
-  pending deliveries are kept and sent when an operator resumes it (services.resume).
-- A failing endpoint is probed: when it has not been tried for RELAY_WEBHOOK_PROBE_SECONDS, the sweep makes
-  its next delivery due now; the first 2xx after failures makes all its waiting deliveries due now. So a
-  receiver back from an outage gets its backlog within about a probe interval, however long the backoff.
-- The sweep (every RELAY_WEBHOOK_SWEEP_SECONDS, on the control queue) re-sends the message of every pending
-  delivery overdue by two sweep intervals that no message carries any more (each hand-off is marked in the
-  broker's Redis until a worker takes it): a Redis flush, a killed worker or a broker outage loses nothing,
-  and a backlog of queued messages is not duplicated.
+  A test event (POST …/test) is sent once and never retried.
+- An endpoint is paused automatically when every attempt has failed for RELAY_WEBHOOK_PAUSE_AFTER_SECONDS
+  and at least RELAY_WEBHOOK_PAUSE_AFTER_FAILURES times in a row — or when a delivery runs out of retries
+  with none delivered since it was raised. Its owner sees why (`paused_reason`); its pending deliveries are
+  kept and sent when it is resumed (services.resume).
+- A failing endpoint is probed: when it has not been tried for RELAY_WEBHOOK_PROBE_SECONDS, its next delivery
+  is made due now; the first 2xx after failures makes all its waiting deliveries due now. So a receiver back
+  from an outage gets its backlog within about a probe interval, however long the backoff.
 """
 
 import atexit
 import logging
 import os
 import random
+import socket
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 
 import anyio
+import httpx2
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models import DateTimeField, F, Value
+from django.db.models import DateTimeField, F, Q, Value
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
-from batches import dispatch
 from batches.models import Batch
 from batches.tools import netguard
 from batches.webhooks import guard, outbox, signing
-from batches.webhooks.models import Delivery, DeliveryAttempt, DeliveryOutcome, WebhookEndpoint
+from batches.webhooks.models import Delivery, DeliveryAttempt, DeliveryOutcome, Event, WebhookEndpoint
 from relay import crypto
 
 log = logging.getLogger(__name__)
 
 PENDING, DELIVERED, FAILED = DeliveryOutcome.PENDING, DeliveryOutcome.DELIVERED, DeliveryOutcome.FAILED
 
-# One attempt's whole budget: connect, send, the answer's status line and its first KiB.
-TIMEOUT_SECONDS = 10.0
 HEAD_BYTES = 1024
 # What an attempt may read off the wire (headers and a few body reads) before it stops listening.
 _WIRE_BYTES = netguard.MAX_HEADER_BYTES + 256 * 1024
 USER_AGENT = "relay-webhooks/1"
-# Retries due within this are sent as delayed messages; later ones are found by the sweep.
-COUNTDOWN_MAX_SECONDS = 60.0
-# Overdue deliveries the sweep re-sends at most per run (the rest at the next).
-SWEEP_LIMIT = 1000
-# Deliveries made due at once when a failing endpoint answers again (the rest by the sweep).
+# Deliveries made due at once when a failing endpoint answers again (the rest as they come due).
 RELEASE_LIMIT = 1000
+# Settled deliveries one retention pass deletes at most (the rest at the next pass).
+PRUNE_LIMIT = 2000
+# Beyond an attempt's own timeouts, how long its lease outlasts it (recording it, a slow database, a busy
+# machine): the attempt's whole timeout again, and at least this.
+LEASE_MARGIN_SECONDS = 5.0
 
 
 @dataclass
@@ -78,7 +82,32 @@ class Answer:
         return self.status_code is not None and 200 <= self.status_code < 300
 
 
+@dataclass
+class Job:
+    """A claimed delivery and all an attempt needs, read before the POST so the POST needs no database."""
+
+    delivery: Delivery
+    endpoint: WebhookEndpoint
+    body: bytes
+    lease: str
+
+    @property
+    def owner_hash(self) -> str:
+        return self.endpoint.owner_hash
+
+
 # --- one attempt ---------------------------------------------------------------------------------
+
+
+def attempt_seconds() -> float:
+    """The longest an attempt takes: its DNS look-up, then the whole POST."""
+    return settings.RELAY_WEBHOOK_DNS_TIMEOUT_SECONDS + settings.RELAY_WEBHOOK_TIMEOUT_SECONDS
+
+
+def lease_seconds() -> float:
+    """How long a claimed delivery stays leased: past every timeout of its attempt, with room to record it. A lane
+    killed mid-POST delays its deliveries by about this, never loses them."""
+    return attempt_seconds() + settings.RELAY_WEBHOOK_TIMEOUT_SECONDS + LEASE_MARGIN_SECONDS
 
 
 def signing_keys(endpoint: WebhookEndpoint, now) -> list[str]:
@@ -98,15 +127,28 @@ def prepare(url: str) -> netguard.Pin | str:
         return f"refused: {exc.message}"
 
 
-async def _post(pin: netguard.Pin, headers: dict, body: bytes) -> tuple[int, bytes]:
+def _timeouts() -> httpx2.Timeout:
+    """Per phase: connect (TCP and the TLS handshake: httpcore counts both as connecting), the first byte of the
+    answer (and every later read), writing the body; the whole attempt is bounded in `_post`."""
+    s = settings
+    return httpx2.Timeout(
+        s.RELAY_WEBHOOK_TIMEOUT_SECONDS,
+        connect=s.RELAY_WEBHOOK_CONNECT_TIMEOUT_SECONDS,
+        read=s.RELAY_WEBHOOK_FIRST_BYTE_TIMEOUT_SECONDS,
+        write=s.RELAY_WEBHOOK_FIRST_BYTE_TIMEOUT_SECONDS,
+    )
+
+
+async def _post(pin: netguard.Pin, headers: dict, body: bytes, total: float, timeouts) -> tuple[int, bytes]:
     client, _budget = netguard.pinned_client(
         pin,
-        timeout=TIMEOUT_SECONDS,
+        timeout=total,
         max_bytes=_WIRE_BYTES,
         headers={"User-Agent": USER_AGENT, "Content-Type": "application/json", **headers},
     )
+    client.timeout = timeouts
     async with client:
-        with anyio.fail_after(TIMEOUT_SECONDS):
+        with anyio.fail_after(total):
             async with client.stream("POST", pin.target.url, content=body) as response:
                 head = b""
                 async for chunk in response.aiter_raw():
@@ -117,7 +159,7 @@ async def _post(pin: netguard.Pin, headers: dict, body: bytes) -> tuple[int, byt
 
 
 # This process's event loop for the POSTs: anyio's blocking portal, a daemon thread started once per process
-# (a forked pool process starts its own). A fresh loop per delivery (anyio.run) cost more than the POST itself.
+# (a forked process starts its own). Every POST of the lane runs on it at once; a thread waits for each.
 _loop: dict = {"pid": None, "portal": None, "cm": None}
 _loop_lock = threading.Lock()
 
@@ -144,24 +186,39 @@ def send(target: netguard.Pin | str, endpoint: WebhookEndpoint, webhook_id: str,
     """One signed POST of `body` to the pinned target (or the refusal `prepare` gave). Never raises."""
     started, t0 = timezone.now(), time.monotonic()
     answer = Answer(started_at=started, duration_ms=0)
+    total = settings.RELAY_WEBHOOK_TIMEOUT_SECONDS
     try:
         if isinstance(target, str):
             answer.error = target
         else:
             headers = signing.headers(webhook_id, int(time.time()), body, signing_keys(endpoint, started))
-            status, head = _in_loop(_post, target, headers, body)
+            status, head = _in_loop(_post, target, headers, body, total, _timeouts())
             answer.status_code, answer.head = status, head.decode("utf-8", "replace")
             if 300 <= status < 400:
                 answer.error = f"answered {status}: redirects are not followed"
             elif not answer.ok:
                 answer.error = f"answered {status}"
     except TimeoutError:
-        answer.error = f"no answer within {TIMEOUT_SECONDS:g} s"
+        answer.error = f"no answer within {total:g} s"
+    except httpx2.ConnectTimeout:
+        answer.error = f"could not connect within {settings.RELAY_WEBHOOK_CONNECT_TIMEOUT_SECONDS:g} s"
+    except httpx2.ReadTimeout:
+        answer.error = f"no answer within {settings.RELAY_WEBHOOK_FIRST_BYTE_TIMEOUT_SECONDS:g} s of sending"
     except crypto.SecretUnavailable as exc:
         answer.error = f"the signing secret cannot be read: {exc}"
     except Exception as exc:  # a network error, a refused answer (netguard): a failed attempt
         answer.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     answer.error = answer.error[:300]
+    answer.duration_ms = int((time.monotonic() - t0) * 1000)
+    return answer
+
+
+def attempt(job: Job) -> Answer:
+    """Resolve and POST, no database work: what the lane's threads run. Never raises."""
+    started, t0 = timezone.now(), time.monotonic()
+    target = prepare(job.endpoint.url)
+    answer = send(target, job.endpoint, job.delivery.webhook_id, job.body)
+    answer.started_at = started
     answer.duration_ms = int((time.monotonic() - t0) * 1000)
     return answer
 
@@ -179,14 +236,54 @@ def log_attempt(delivery: Delivery, number: int, answer: Answer) -> None:
     )
 
 
-# --- delivering one delivery ------------------------------------------------------------------------
+# --- claiming, and delivering one delivery --------------------------------------------------------------
 
 
-def deliver(delivery_id) -> str:
-    """One attempt of a pending, due delivery; what happened: delivered, retry, failed, paused (the endpoint
-    is paused, or was just paused), waiting (a native cancel whose batch is not done), or skipped (not
-    pending, not due, gone, or another worker holds it). Idempotent: duplicate messages are harmless."""
-    dispatch.webhook_taken(delivery_id)
+def new_lease_owner(name: str) -> str:
+    return f"{name[:40]}:{socket.gethostname()[:30]}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+def claimable(now):
+    return Q(outcome=PENDING, next_attempt_at__lte=now) & (
+        Q(lease_expires_at__isnull=True) | Q(lease_expires_at__lt=now)
+    )
+
+
+def claim(delivery_ids, lease_owner: str, now=None) -> list[Job]:
+    """Lease those of `delivery_ids` that are pending, due, and held by no live lease; their jobs. A lease taken
+    by another lane first (or still live) leaves its delivery out: duplicate picks are harmless."""
+    now = now or timezone.now()
+    until = now + timedelta(seconds=lease_seconds())
+    # One statement: a lane that loses the race for a row waits for its lock, then finds its lease live and
+    # leaves it (PostgreSQL re-checks the WHERE of an UPDATE on the row's newest version).
+    if not Delivery.objects.filter(claimable(now), pk__in=list(delivery_ids)).update(
+        lease_owner=lease_owner, lease_expires_at=until
+    ):
+        return []
+    held = Delivery.objects.filter(
+        pk__in=list(delivery_ids), lease_owner=lease_owner, lease_expires_at=until
+    ).select_related("endpoint", "event")
+    jobs = []
+    for row in held:
+        if row.endpoint.paused_at is not None:  # paused between the pick and the claim: keep it for the resume
+            _release(row.pk, lease_owner)
+        elif row.event.waits_for_batch and _batch_running(row.event.batch_id):
+            _wait_for_batch(row, lease_owner, now)
+        else:
+            jobs.append(Job(delivery=row, endpoint=row.endpoint, body=row.event.body.encode(), lease=lease_owner))
+    return jobs
+
+
+def _release(delivery_id, lease_owner: str, **fields) -> int:
+    return Delivery.objects.filter(pk=delivery_id, lease_owner=lease_owner).update(
+        lease_owner="", lease_expires_at=None, **fields
+    )
+
+
+def deliver(delivery_id, lease_owner: str | None = None) -> str:
+    """One attempt of a pending, due delivery, from claim to record; what happened: delivered, retry, failed,
+    paused (the endpoint is paused, or was just paused), waiting (a native cancel whose batch is not done), or
+    skipped (not pending, not due, gone, or leased by another attempt). Idempotent."""
     now = timezone.now()
     row = Delivery.objects.filter(pk=delivery_id, outcome=PENDING).select_related("endpoint", "event").first()
     if row is None or row.next_attempt_at > now:
@@ -194,19 +291,34 @@ def deliver(delivery_id) -> str:
     if row.endpoint.paused_at is not None:
         return "paused"
     if row.event.waits_for_batch and _batch_running(row.event.batch_id):
-        _wait_for_batch(row, now)
+        lease_owner = lease_owner or new_lease_owner("inline")
+        claim([delivery_id], lease_owner, now)  # leases it, sees the batch still running, releases it for later
         return "waiting"
-    target = prepare(row.endpoint.url)  # before the row is held: a slow resolver must not hold it
+    jobs = claim([delivery_id], lease_owner or new_lease_owner("inline"), now)
+    if not jobs:
+        return "skipped"
+    return finish(jobs[0], attempt(jobs[0]))
+
+
+def finish(job: Job, answer: Answer) -> str:
+    """Record an attempt's answer in one transaction, fenced on its lease: an attempt whose lease ran out and
+    was taken by another records nothing ("skipped"). Then clear the lease."""
     with transaction.atomic():
-        delivery = _hold(delivery_id, now)
+        rows = Delivery.objects.filter(pk=job.delivery.pk, outcome=PENDING, lease_owner=job.lease)
+        if connection.vendor == "postgresql":
+            rows = rows.select_for_update()
+        delivery = rows.first()
         if delivery is None:
+            log.warning("webhook %s: lease lost before its answer was recorded", job.delivery.webhook_id)
             return "skipped"
-        answer = send(target, row.endpoint, delivery.webhook_id, row.event.body.encode())
-        outcome = record(delivery, row.endpoint, answer)
+        endpoint = WebhookEndpoint.objects.filter(pk=delivery.endpoint_id).first()
+        if endpoint is None:  # deleted meanwhile (its deliveries go with it)
+            return "skipped"
+        outcome = record(delivery, endpoint, answer, test=job.delivery.event.test)
     log.info(
         "webhook %s to %s attempt %d: %s (%s, %d ms)",
         delivery.webhook_id,
-        row.endpoint.public_id,
+        endpoint.public_id,
         delivery.attempts + 1,
         outcome,
         answer.status_code or answer.error,
@@ -215,57 +327,155 @@ def deliver(delivery_id) -> str:
     return outcome
 
 
-def _hold(delivery_id, now) -> Delivery | None:
-    qs = Delivery.objects.filter(pk=delivery_id, outcome=PENDING, next_attempt_at__lte=now)
-    if connection.vendor == "postgresql":
-        qs = qs.select_for_update(skip_locked=True)
-    return qs.first()
+_DELIVERED_SQL = f"""
+UPDATE {Delivery._meta.db_table} d
+SET outcome = 'delivered', delivered_at = %(now)s, last_attempt_at = %(now)s, last_error = '',
+    last_status_code = v.code, attempts = d.attempts + 1, lease_owner = '', lease_expires_at = NULL
+FROM unnest(%(ids)s::uuid[], %(codes)s::int[], %(leases)s::text[]) AS v(id, code, lease)
+WHERE d.id = v.id AND d.outcome = 'pending' AND d.lease_owner = v.lease
+RETURNING d.id
+"""
+
+
+def finish_many(done: list[tuple[Job, Answer]]) -> list[str]:
+    """Record many attempts: the plain case — a 2xx from an endpoint that was healthy when claimed, not a
+    test — together, in one transaction of two statements (the lane's recorders take what has piled up), fenced
+    on each lease like `finish`; every other answer one by one (`finish`). Outcomes in `done`'s order."""
+    plain = [
+        (job, answer)
+        for job, answer in done
+        if answer.ok
+        and not job.delivery.event.test
+        and job.endpoint.failing_since is None
+        and not job.endpoint.consecutive_failures
+    ]
+    outcomes: dict = {}
+    if plain:
+        now = timezone.now()
+        with transaction.atomic():
+            held = _mark_delivered(plain, now)
+            DeliveryAttempt.objects.bulk_create(
+                [
+                    DeliveryAttempt(
+                        delivery_id=job.delivery.pk,
+                        number=job.delivery.attempts + 1,
+                        started_at=answer.started_at,
+                        duration_ms=answer.duration_ms,
+                        status_code=answer.status_code,
+                        response_head=answer.head,
+                        delivered=True,
+                    )
+                    for job, answer in plain
+                    if job.delivery.pk in held
+                ]
+            )
+        for job, _ in plain:
+            outcomes[job.delivery.pk] = "delivered" if job.delivery.pk in held else "skipped"
+        if len(held) < len(plain):
+            log.warning("webhooks: %d leases lost before their answers were recorded", len(plain) - len(held))
+        log.info("webhooks: %d delivered", len(held))
+    for job, answer in done:
+        if job.delivery.pk not in outcomes:
+            outcomes[job.delivery.pk] = finish(job, answer)
+    return [outcomes[job.delivery.pk] for job, _ in done]
+
+
+def _mark_delivered(plain: list[tuple[Job, Answer]], now) -> set:
+    """Inside the transaction: the deliveries of `plain` still leased to their attempt, marked delivered."""
+    if connection.vendor != "postgresql":
+        held = set()
+        for job, answer in plain:
+            if Delivery.objects.filter(pk=job.delivery.pk, outcome=PENDING, lease_owner=job.lease).update(
+                outcome=DELIVERED,
+                delivered_at=now,
+                last_attempt_at=now,
+                last_error="",
+                last_status_code=answer.status_code,
+                attempts=F("attempts") + 1,
+                lease_owner="",
+                lease_expires_at=None,
+            ):
+                held.add(job.delivery.pk)
+        return held
+    with connection.cursor() as cur:
+        # Not waited for on disk: a record lost to a crash means the delivery is sent again (at least once).
+        cur.execute("SET LOCAL synchronous_commit = off")
+        cur.execute(
+            _DELIVERED_SQL,
+            {
+                "now": now,
+                "ids": [str(job.delivery.pk) for job, _ in plain],
+                "codes": [answer.status_code for _, answer in plain],
+                "leases": [job.lease for job, _ in plain],
+            },
+        )
+        return {row[0] for row in cur.fetchall()}
 
 
 def _batch_running(batch_id) -> bool:
     return Batch.objects.filter(pk=batch_id, completed_at__isnull=True).exists()
 
 
-def _wait_for_batch(delivery: Delivery, now) -> None:
+def _wait_for_batch(delivery: Delivery, lease_owner: str, now) -> None:
     """Look again soon: a cancelled native batch is done once its running items stop (their next heartbeat)."""
     pause = min(5.0, max(0.25, (now - delivery.event.created_at).total_seconds() / 4))
-    Delivery.objects.filter(pk=delivery.pk, outcome=PENDING).update(next_attempt_at=now + timedelta(seconds=pause))
-    transaction.on_commit(lambda: outbox.send([delivery.pk], countdown=pause))
+    _release(delivery.pk, lease_owner, next_attempt_at=now + timedelta(seconds=pause))
 
 
-def record(delivery: Delivery, endpoint: WebhookEndpoint, answer: Answer) -> str:
-    """Inside the attempt's transaction: its log line, then delivered, a retry, failed or the endpoint paused."""
+def record(delivery: Delivery, endpoint: WebhookEndpoint, answer: Answer, *, test: bool = False) -> str:
+    """Inside the attempt's transaction: its log line, then delivered, a retry, failed or the endpoint paused.
+    The lease is cleared with the same write. A test event is sent once: its failure is final and says nothing
+    about the endpoint's health."""
     now = timezone.now()
     number = delivery.attempts + 1
     log_attempt(delivery, number, answer)
-    fields = {"attempts": number, "last_attempt_at": now, "last_status_code": answer.status_code}
+    fields = {
+        "attempts": number,
+        "last_attempt_at": now,
+        "last_status_code": answer.status_code,
+        "lease_owner": "",
+        "lease_expires_at": None,
+    }
     rows = Delivery.objects.filter(pk=delivery.pk)
     if answer.ok:
         rows.update(outcome=DELIVERED, delivered_at=now, last_error="", **fields)
-        if endpoint.failing_since is not None:  # as read before the POST; a failure since is cleared by the next 2xx
+        if not test and (endpoint.failing_since is not None or endpoint.consecutive_failures):
             _answered(endpoint.pk, delivery.pk, now)
         return "delivered"
     fields["last_error"] = answer.error
+    if test:
+        rows.update(outcome=FAILED, **fields)
+        return "failed"
     WebhookEndpoint.objects.filter(pk=endpoint.pk).update(
-        failing_since=Coalesce(F("failing_since"), Value(now, output_field=DateTimeField())), last_failure_at=now
+        failing_since=Coalesce(F("failing_since"), Value(now, output_field=DateTimeField())),
+        last_failure_at=now,
+        consecutive_failures=F("consecutive_failures") + 1,
     )
-    failing_since = WebhookEndpoint.objects.filter(pk=endpoint.pk).values_list("failing_since", flat=True).first()
+    failing_since, failures = (
+        WebhookEndpoint.objects.filter(pk=endpoint.pk).values_list("failing_since", "consecutive_failures").first()
+    )
     max_age = timedelta(seconds=settings.RELAY_WEBHOOK_MAX_AGE_SECONDS)
     deadline = delivery.schedule_from + max_age
     exhausted = now >= deadline
-    if now - failing_since >= max_age or (exhausted and not _delivered_since(endpoint.pk, delivery.schedule_from)):
-        # Every delivery has failed for as long as a delivery may retry: pause, keep what waits.
-        WebhookEndpoint.objects.filter(pk=endpoint.pk, paused_at__isnull=True).update(paused_at=now)
+    pause_after = timedelta(seconds=settings.RELAY_WEBHOOK_PAUSE_AFTER_SECONDS)
+    failing_long = now - failing_since >= pause_after and failures >= settings.RELAY_WEBHOOK_PAUSE_AFTER_FAILURES
+    if failing_long or (exhausted and not _delivered_since(endpoint.pk, delivery.schedule_from)):
+        # Every attempt has failed for long enough: pause, keep what waits, and tell the owner why.
+        reason = (
+            f"Every delivery attempt has failed since {failing_since.isoformat(timespec='seconds')} "
+            f"({failures} in a row); the last one: {answer.error}"
+        )[:300]
+        WebhookEndpoint.objects.filter(pk=endpoint.pk, paused_at__isnull=True).update(
+            paused_at=now, paused_reason=reason
+        )
         rows.update(next_attempt_at=now, **fields)
-        log.warning("webhook endpoint %s paused: every delivery failed since %s", endpoint.public_id, failing_since)
+        log.warning("webhook endpoint %s paused: %s", endpoint.public_id, reason)
         return "paused"
     if exhausted:
         rows.update(outcome=FAILED, **fields)
         return "failed"
     wait = min(gap(number), (deadline - now).total_seconds())
     rows.update(next_attempt_at=now + timedelta(seconds=wait), **fields)
-    if wait <= COUNTDOWN_MAX_SECONDS:
-        transaction.on_commit(lambda: outbox.send([delivery.pk], countdown=wait))
     return "retry"
 
 
@@ -284,6 +494,7 @@ def _delivered_since(endpoint_id, since) -> bool:
 
 def _answered(endpoint_id, delivery_id, now) -> None:
     """A 2xx: the endpoint is healthy again. If it was failing, its waiting deliveries are due now."""
+    WebhookEndpoint.objects.filter(pk=endpoint_id).update(consecutive_failures=0)
     if not WebhookEndpoint.objects.filter(pk=endpoint_id, failing_since__isnull=False).update(
         failing_since=None, last_failure_at=None
     ):
@@ -295,30 +506,10 @@ def _answered(endpoint_id, delivery_id, now) -> None:
         .values_list("id", flat=True)[:RELEASE_LIMIT]
     )
     Delivery.objects.filter(pk__in=waiting, next_attempt_at__gt=now).update(next_attempt_at=now)
-    transaction.on_commit(lambda: outbox.send(waiting))
+    transaction.on_commit(outbox.wake)
 
 
-# --- the sweep ------------------------------------------------------------------------------------
-
-
-def sweep() -> dict:
-    """Re-send the messages of overdue deliveries that no message carries any more (a Redis flush, a killed
-    worker, a broker outage) and probe failing endpoints. Idempotent; any replica may run it, on the control
-    queue. Rows an attempt holds are skipped; so are deliveries whose message still waits in the broker (a
-    backlog is not a loss: re-sending it would only grow it)."""
-    now = timezone.now()
-    grace = 2 * settings.RELAY_WEBHOOK_SWEEP_SECONDS
-    with transaction.atomic():
-        overdue = Delivery.objects.filter(
-            outcome=PENDING, next_attempt_at__lte=now - timedelta(seconds=grace), endpoint__paused_at__isnull=True
-        ).order_by("next_attempt_at")
-        if connection.vendor == "postgresql":
-            overdue = overdue.select_for_update(skip_locked=True, of=("self",))
-        ids = list(overdue.values_list("id", flat=True)[:SWEEP_LIMIT])
-    waiting = dispatch.webhooks_in_flight(ids)
-    lost = [pk for pk in ids if str(pk) not in waiting]
-    outbox.send(lost)
-    return {"resent": len(lost), "probed": probe(now)}
+# --- housekeeping: probes and retention (run by the lane) ---------------------------------------------
 
 
 def probe(now) -> int:
@@ -339,5 +530,29 @@ def probe(now) -> int:
             continue  # nothing waits, or one is due soon anyway
         if Delivery.objects.filter(pk=first[0], outcome=PENDING).update(next_attempt_at=now):
             probed.append(first[0])
-    outbox.send(probed)
     return len(probed)
+
+
+def prune(now) -> int:
+    """Delete up to PRUNE_LIMIT delivered and failed deliveries (with their attempts) whose last attempt is
+    older than RELAY_WEBHOOK_RETENTION_SECONDS, and the events no delivery holds any more. Pending ones are
+    never pruned. Returns the deliveries deleted; a backlog older than that shrinks a pass at a time."""
+    keep = settings.RELAY_WEBHOOK_RETENTION_SECONDS
+    if not keep:
+        return 0
+    cutoff = now - timedelta(seconds=keep)
+    old = list(
+        Delivery.objects.exclude(outcome=PENDING)
+        .filter(last_attempt_at__lt=cutoff)
+        .order_by("last_attempt_at")
+        .values_list("id", "event_id")[:PRUNE_LIMIT]
+    )
+    if not old:
+        return 0
+    ids, event_ids = [pk for pk, _ in old], {event_id for _, event_id in old}
+    with transaction.atomic():
+        DeliveryAttempt.objects.filter(delivery_id__in=ids).delete()
+        deleted = Delivery.objects.filter(pk__in=ids).exclude(outcome=PENDING).delete()[1].get(Delivery._meta.label, 0)
+        Event.objects.filter(pk__in=event_ids, deliveries__isnull=True).delete()
+    log.info("webhook retention: %d settled deliveries older than %d s deleted", deleted, keep)
+    return deleted

@@ -14,6 +14,7 @@ may use plain http.
 import ipaddress
 import logging
 import socket
+import threading
 
 import httpx2
 from django.conf import settings
@@ -26,6 +27,30 @@ Blocked = netguard.Blocked
 Unresolvable = netguard.Unresolvable
 
 _DEFAULT_PORTS = {"https": 443, "http": 80}
+
+
+def _getaddrinfo(host: str, port: int, timeout: float) -> list:
+    """socket.getaddrinfo within `timeout` seconds. It has no timeout of its own (the system resolver may wait
+    5 s per name server, and try again), so it runs in a thread of its own and the caller stops waiting; a
+    look-up given up on ends in the background when the resolver gives up. A thread per look-up, not a shared
+    pool: one tenant's names on a dead name server must not fill a pool that other tenants' look-ups wait for."""
+    box: dict = {}
+    done = threading.Event()
+
+    def look_up():
+        try:
+            box["infos"] = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
+        except BaseException as exc:  # handed to the caller
+            box["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=look_up, name="webhook-dns", daemon=True).start()
+    if not done.wait(timeout):
+        raise Unresolvable(f"host {host} did not resolve within {timeout:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box["infos"]
 
 
 def allowed_hosts() -> set[str]:
@@ -61,14 +86,15 @@ def parse(url: str) -> tuple[netguard.Target, bool]:
 
 
 def resolve(url: str) -> netguard.Pin:
-    """Parse `url`, resolve its host once, and refuse unless every address is public (or the host is listed).
+    """Parse `url`, resolve its host once (within RELAY_WEBHOOK_DNS_TIMEOUT_SECONDS), and refuse unless every
+    address is public (or the host is listed).
 
-    Raises Blocked (a bad URL, an internal address) or Unresolvable (DNS).
+    Raises Blocked (a bad URL, an internal address) or Unresolvable (DNS, or no answer in time).
     """
     target, listed = parse(url)
     host = target.host.strip("[]")
     try:
-        infos = socket.getaddrinfo(host, target.port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
+        infos = _getaddrinfo(host, target.port, settings.RELAY_WEBHOOK_DNS_TIMEOUT_SECONDS)
     except (OSError, UnicodeError) as exc:
         raise Unresolvable(f"host {host} could not be resolved: {exc}") from exc
     addresses: list[str] = []

@@ -11,8 +11,13 @@ A delivery is `pending` until a POST answers 2xx (`delivered`) or its retries ru
        └──no retry left (RELAY_WEBHOOK_MAX_AGE_SECONDS since schedule_from)──▶ failed
     delivered | failed ──resend──▶ pending (same webhook-id, a fresh schedule)
 
-An endpoint whose every delivery has failed for RELAY_WEBHOOK_MAX_AGE_SECONDS is paused (`paused_at`):
-its pending deliveries stay pending and are sent when an operator resumes it.
+An endpoint that has failed every attempt for RELAY_WEBHOOK_PAUSE_AFTER_SECONDS, at least
+RELAY_WEBHOOK_PAUSE_AFTER_FAILURES times in a row, is paused (`paused_at`, `paused_reason`): its pending
+deliveries stay pending and are sent when its owner or an operator resumes it.
+
+A delivery in flight carries a lease (`lease_owner`, `lease_expires_at`) taken by the webhook lane
+(batches/webhooks/lane.py): the lane's caps count leases, and a lane killed mid-POST loses nothing — the
+lease runs out and the delivery is picked again.
 
 A batch is named by a plain id, not a foreign key: an event outlives the batch it reports (retention
 deletes old native batches), as a batch outlives the files it names.
@@ -49,7 +54,11 @@ class WebhookEndpoint(models.Model):
     # Every delivery since this time has failed (null: the last one answered 2xx, or none was tried).
     failing_since = models.DateTimeField(null=True, blank=True)
     last_failure_at = models.DateTimeField(null=True, blank=True)
+    # Failed attempts since the last 2xx: with failing_since, what pauses an endpoint automatically.
+    consecutive_failures = models.PositiveIntegerField(default=0)
     paused_at = models.DateTimeField(null=True, blank=True)
+    # Why it is paused, shown to its owner (the API) and the operator (the admin); empty when not paused.
+    paused_reason = models.CharField(max_length=300, blank=True, default="")
 
     class Meta:
         indexes = [models.Index(fields=["owner_hash", "-id"], name="webhook_endpoint_owner")]
@@ -102,6 +111,9 @@ class Delivery(models.Model):
     delivered_at = models.DateTimeField(null=True, blank=True)
     last_status_code = models.PositiveSmallIntegerField(null=True, blank=True)
     last_error = models.CharField(max_length=300, blank=True, default="")
+    # The lane holding this delivery while its POST is in flight (both null/empty when none does).
+    lease_owner = models.CharField(max_length=100, blank=True, default="")
+    lease_expires_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         verbose_name_plural = "deliveries"
@@ -121,6 +133,18 @@ class Delivery(models.Model):
             models.Index(fields=["next_attempt_at"], name="webhook_delivery_due", condition=Q(outcome="pending")),
             # GET …/deliveries: an endpoint's deliveries, newest first.
             models.Index(fields=["endpoint", "-id"], name="webhook_delivery_endpoint"),
+            # The lane's pick: each endpoint's due deliveries, oldest due first.
+            models.Index(
+                fields=["endpoint", "next_attempt_at"],
+                name="webhook_delivery_endpoint_due",
+                condition=Q(outcome="pending"),
+            ),
+            # The lane's caps: deliveries in flight (a lease is cleared when the attempt is recorded: few rows).
+            models.Index(
+                fields=["endpoint"], name="webhook_delivery_leased", condition=Q(lease_expires_at__isnull=False)
+            ),
+            # Retention: settled deliveries by their last attempt.
+            models.Index(fields=["last_attempt_at"], name="webhook_delivery_settled", condition=~Q(outcome="pending")),
         ]
 
     def __str__(self):

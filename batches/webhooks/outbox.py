@@ -1,21 +1,28 @@
 """The outbox: a batch's end writes its event and one delivery per subscribed endpoint in the same
 transaction as its final move (`record_batch_end`, run by batches.lifecycle.states.move), so an event
-exists if and only if the batch ended. The control worker delivers them once that commits; a lost
-message costs latency until the webhook sweep, never an event.
+exists if and only if the batch ended. The webhook lane (lane.py, its own process) finds them in PostgreSQL;
+once the move commits, `wake` tells it through Redis so it looks at once. A lost wake-up costs at most
+RELAY_WEBHOOK_POLL_SECONDS, never an event: the rows are the queue.
 """
 
 import logging
 
+import redis
 import uuid6
 from django.db import transaction
 from django.utils import timezone
 
-from batches import dispatch
 from batches.models import Batch, BatchStatus, Surface
 from batches.webhooks import events
 from batches.webhooks.models import Delivery, Event, WebhookEndpoint
+from relay.redis import get_redis
 
 log = logging.getLogger(__name__)
+
+# The lanes block on this Redis list between looks at the database; bounded, since one entry wakes a lane and
+# it then takes everything due.
+WAKE_KEY = "relay:webhooks:wake"
+_WAKE_DEPTH = 16
 
 
 def record_batch_end(batch_id, surface: str, status: str):
@@ -60,13 +67,17 @@ def _write(batch_id, surface: str, status: str, event_type: str, endpoints: list
             for pk in endpoints
         ]
     )
-    ids = [d.id for d in deliveries]
-    transaction.on_commit(lambda: send(ids))
-    log.info("batch %s %s: event %s for %d endpoint(s)", batch_id, status, event.public_id, len(ids))
-    return len(ids)
+    transaction.on_commit(wake)
+    log.info("batch %s %s: event %s for %d endpoint(s)", batch_id, status, event.public_id, len(deliveries))
+    return len(deliveries)
 
 
-def send(delivery_ids, countdown: float | None = None) -> None:
-    """Hand deliveries to the control worker (a lost message: the webhook sweep sends it again)."""
-    for delivery_id in delivery_ids:
-        dispatch.hand_off_webhook(delivery_id, countdown=countdown)
+def wake() -> None:
+    """Tell a webhook lane that deliveries are due now. Best effort: the lane polls anyway."""
+    try:
+        pipe = get_redis().pipeline(transaction=False)
+        pipe.lpush(WAKE_KEY, 1)
+        pipe.ltrim(WAKE_KEY, 0, _WAKE_DEPTH - 1)
+        pipe.execute()
+    except redis.RedisError:
+        log.warning("could not wake the webhook lane; it finds the deliveries at its next poll", exc_info=True)

@@ -1,16 +1,17 @@
-"""Writes: an owner's webhook endpoints (create, update, delete, rotate the secret, send a test), a
-delivery's resend, and the operator's pause and resume. The API's views and the admin call these."""
+"""Writes: an owner's webhook endpoints (create — at most RELAY_WEBHOOK_MAX_ENDPOINTS each —, update, delete,
+rotate the secret, queue a test), a delivery's resend, and pause and resume (the operator's, and resume by the
+owner). The API's views and the admin call these. Nothing here POSTs: deliveries are the webhook lane's."""
 
 import json
 import logging
 from datetime import timedelta
 
 import uuid6
-from django.db import transaction
+from django.conf import settings
+from django.db import connection, transaction
 from django.utils import timezone
 
-from batches.errors import OpenAIError, invalid, missing
-from batches.webhooks import delivery as deliveries
+from batches.errors import invalid, missing
 from batches.webhooks import events, guard, outbox, signing
 from batches.webhooks.models import Delivery, DeliveryOutcome, Event, WebhookEndpoint
 from relay import crypto
@@ -86,7 +87,30 @@ def create_endpoint(principal: Principal, body: dict) -> tuple[WebhookEndpoint, 
     secret = signing.new_secret()
     attribution = principal.attribution()
     now = timezone.now()
-    endpoint = WebhookEndpoint.objects.create(
+    with transaction.atomic():
+        _within_endpoint_cap(principal.owner_hash)
+        endpoint = _insert_endpoint(principal, attribution, name, url, event_types, secret, now)
+    log.info("webhook endpoint %s created for %s", endpoint.public_id, event_types)
+    return endpoint, secret
+
+
+def _within_endpoint_cap(owner_hash: str) -> None:
+    """Inside the create's transaction: refuse an owner's endpoint beyond RELAY_WEBHOOK_MAX_ENDPOINTS. Creates of
+    one owner take turns (a transaction-scoped advisory lock on the owner), so two at once cannot both pass."""
+    cap = settings.RELAY_WEBHOOK_MAX_ENDPOINTS
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cur:
+            cur.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", ["webhook_endpoints:" + owner_hash])
+    if WebhookEndpoint.objects.filter(owner_hash=owner_hash).count() >= cap:
+        raise invalid(
+            f"Too many webhook endpoints: at most {cap} per owner (RELAY_WEBHOOK_MAX_ENDPOINTS). "
+            "Delete one, or send several event types to one endpoint.",
+            code="webhook_endpoint_limit_reached",
+        )
+
+
+def _insert_endpoint(principal, attribution, name, url, event_types, secret, now) -> WebhookEndpoint:
+    return WebhookEndpoint.objects.create(
         id=uuid6.uuid7(),
         owner_hash=principal.owner_hash,
         project_id=attribution.get("project_id"),
@@ -99,8 +123,6 @@ def create_endpoint(principal: Principal, body: dict) -> tuple[WebhookEndpoint, 
         created_at=now,
         updated_at=now,
     )
-    log.info("webhook endpoint %s created for %s", endpoint.public_id, event_types)
-    return endpoint, secret
 
 
 def update_endpoint(endpoint: WebhookEndpoint, body: dict) -> WebhookEndpoint:
@@ -154,42 +176,31 @@ def rotate_secret(endpoint: WebhookEndpoint, body: dict) -> tuple[WebhookEndpoin
     return endpoint, secret
 
 
-def send_test(endpoint: WebhookEndpoint, body: dict) -> deliveries.Answer:
-    """A real signed delivery of a sample event of `event_type`, now, once (no retry); recorded among the
-    endpoint's deliveries. 400 when the receiver could not be reached at all."""
+def send_test(endpoint: WebhookEndpoint, body: dict) -> Delivery:
+    """A real signed delivery of a sample event of `event_type`, queued on the webhook lane (under the owner's
+    caps, as any delivery) and sent once, never retried; recorded among the endpoint's deliveries. Returns the
+    pending delivery at once: the caller polls it for the receiver's answer."""
     _unknown(body, ("event_type",))
     if "event_type" not in body:
         raise missing("event_type")
     kind = event_type(body["event_type"])
     now = timezone.now()
     event_id = uuid6.uuid7()
-    event = Event.objects.create(
-        id=event_id,
-        type=kind,
-        owner_hash=endpoint.owner_hash,
-        created_at=now,
-        body=events.body(event_id, kind, now, events.sample_data(kind)),
-        test=True,
-    )
-    delivery = Delivery.objects.create(
-        id=uuid6.uuid7(), event=event, endpoint=endpoint, next_attempt_at=now, schedule_from=now, created_at=now
-    )
-    answer = deliveries.send(deliveries.prepare(endpoint.url), endpoint, delivery.webhook_id, event.body.encode())
     with transaction.atomic():
-        deliveries.log_attempt(delivery, 1, answer)
-        Delivery.objects.filter(pk=delivery.pk).update(
-            outcome=DeliveryOutcome.DELIVERED if answer.ok else DeliveryOutcome.FAILED,
-            delivered_at=answer.started_at if answer.ok else None,
-            attempts=1,
-            last_attempt_at=answer.started_at,
-            last_status_code=answer.status_code,
-            last_error=answer.error,
+        event = Event.objects.create(
+            id=event_id,
+            type=kind,
+            owner_hash=endpoint.owner_hash,
+            created_at=now,
+            body=events.body(event_id, kind, now, events.sample_data(kind)),
+            test=True,
         )
-    if answer.status_code is None:
-        raise OpenAIError(
-            400, "webhook_endpoint_unreachable", f"The test event could not be delivered: {answer.error}."
+        delivery = Delivery.objects.create(
+            id=uuid6.uuid7(), event=event, endpoint=endpoint, next_attempt_at=now, schedule_from=now, created_at=now
         )
-    return answer
+        transaction.on_commit(outbox.wake)
+    log.info("webhook endpoint %s: test %s queued as %s", endpoint.public_id, kind, delivery.webhook_id)
+    return delivery
 
 
 def sample(event_type_: str) -> dict:
@@ -208,25 +219,36 @@ def resend(delivery: Delivery) -> Delivery:
         Delivery.objects.filter(pk=delivery.pk).update(
             outcome=DeliveryOutcome.PENDING, delivered_at=None, next_attempt_at=now, schedule_from=now
         )
-        transaction.on_commit(lambda: outbox.send([delivery.pk]))
+        transaction.on_commit(outbox.wake)
     delivery.refresh_from_db()
     log.info("webhook %s re-sent", delivery.webhook_id)
     return delivery
 
 
-def pause(endpoint: WebhookEndpoint) -> None:
-    """The operator stops deliveries to an endpoint; what waits is kept for its resume."""
-    WebhookEndpoint.objects.filter(pk=endpoint.pk, paused_at__isnull=True).update(paused_at=timezone.now())
+def pause(endpoint: WebhookEndpoint, reason: str = "Paused by an operator.") -> None:
+    """Stop deliveries to an endpoint; what waits is kept for its resume."""
+    WebhookEndpoint.objects.filter(pk=endpoint.pk, paused_at__isnull=True).update(
+        paused_at=timezone.now(), paused_reason=reason[:300]
+    )
 
 
 def resume(endpoint: WebhookEndpoint) -> int:
-    """Deliveries to a paused endpoint start again: everything it kept is due now, on a fresh schedule."""
+    """Deliveries to a paused endpoint start again (the owner's or an operator's): its reason and failure count
+    are cleared, and everything it kept is due now, on a fresh schedule."""
     now = timezone.now()
     with transaction.atomic():
-        WebhookEndpoint.objects.filter(pk=endpoint.pk).update(paused_at=None, failing_since=None, last_failure_at=None)
+        WebhookEndpoint.objects.filter(pk=endpoint.pk).update(
+            paused_at=None, paused_reason="", failing_since=None, last_failure_at=None, consecutive_failures=0
+        )
         pending = Delivery.objects.filter(endpoint=endpoint, outcome=DeliveryOutcome.PENDING)
-        waiting = list(pending.values_list("id", flat=True))
-        Delivery.objects.filter(pk__in=waiting).update(next_attempt_at=now, schedule_from=now)
-        transaction.on_commit(lambda: outbox.send(waiting[: deliveries.RELEASE_LIMIT]))
-    log.info("webhook endpoint %s resumed: %d deliveries waiting", endpoint.public_id, len(waiting))
-    return len(waiting)
+        waiting = pending.update(next_attempt_at=now, schedule_from=now)
+        transaction.on_commit(outbox.wake)
+    for key, value in {
+        "paused_at": None,
+        "paused_reason": "",
+        "failing_since": None,
+        "consecutive_failures": 0,
+    }.items():
+        setattr(endpoint, key, value)
+    log.info("webhook endpoint %s resumed: %d deliveries waiting", endpoint.public_id, waiting)
+    return waiting

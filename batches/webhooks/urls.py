@@ -13,6 +13,12 @@ for _prefix in ("", "openai/"):
         path(f"{_one}/rotate_secret", views.RotateSecretView.as_view(), name=f"{_name}webhook-endpoint-rotate"),
         path(f"{_one}/test", views.TestView.as_view(), name=f"{_name}webhook-endpoint-test"),
         path(f"{_one}/deliveries", views.DeliveryListView.as_view(), name=f"{_name}webhook-deliveries"),
+        path(f"{_one}/resume", views.ResumeView.as_view(), name=f"{_name}webhook-endpoint-resume"),
+        path(
+            f"{_one}/deliveries/<str:delivery_id>",
+            views.DeliveryDetailView.as_view(),
+            name=f"{_name}webhook-delivery",
+        ),
         path(
             f"{_one}/deliveries/<str:delivery_id>/resend",
             views.ResendView.as_view(),

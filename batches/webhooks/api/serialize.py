@@ -21,8 +21,10 @@ def endpoint(row: WebhookEndpoint, secret: str | None = None) -> dict:
         "signing_secret_hint": row.secret_hint,
         "created_at": _ts(row.created_at),
         "updated_at": _ts(row.updated_at),
-        # The relay's own: paused after failing every delivery for RELAY_WEBHOOK_MAX_AGE_SECONDS (or by an operator).
+        # The relay's own: paused automatically after failing every attempt for long enough (paused_reason says
+        # since when, how many and the last error), or by an operator; POST …/resume clears both.
         "paused_at": _ts(row.paused_at),
+        "paused_reason": row.paused_reason or None if row.paused_at is not None else None,
     }
     if secret is not None:  # WebhookEndpointWithSecret: only when created or rotated
         obj["signing_secret"] = secret

@@ -73,18 +73,21 @@ class RotateSecretView(_WebhookView):
 
 class TestView(_WebhookView):
     def post(self, request, endpoint_id):
+        """202 at once: the test delivery is queued on the webhook lane, never sent by a web thread. Its answer is
+        read from the delivery it names (GET …/deliveries/{webhook_id})."""
         endpoint = selectors.endpoint_for_owner(endpoint_id, request.user)
         body = self.body(request)
-        answer = services.send_test(endpoint, body)
+        queued = services.send_test(endpoint, body)
         return JsonResponse(
-            {
-                "object": "webhook_endpoint.test",
-                "webhook_endpoint_id": endpoint.public_id,
-                "event_type": body["event_type"],
-                "status_code": answer.status_code,
-                "success": True,
-            }
+            serialize.delivery(selectors.delivery_for_endpoint(endpoint, queued.webhook_id)), status=202
         )
+
+
+class ResumeView(_WebhookView):
+    def post(self, request, endpoint_id):
+        endpoint = selectors.endpoint_for_owner(endpoint_id, request.user)
+        services.resume(endpoint)
+        return JsonResponse(serialize.endpoint(endpoint))
 
 
 class DeliveryListView(_WebhookView):
@@ -93,6 +96,12 @@ class DeliveryListView(_WebhookView):
         params = request.GET
         rows, has_more = selectors.deliveries_page(endpoint, params.get("after"), params.get("limit"))
         return JsonResponse(serialize.page(rows, serialize.delivery, has_more))
+
+
+class DeliveryDetailView(_WebhookView):
+    def get(self, request, endpoint_id, delivery_id):
+        endpoint = selectors.endpoint_for_owner(endpoint_id, request.user)
+        return JsonResponse(serialize.delivery(selectors.delivery_for_endpoint(endpoint, delivery_id)))
 
 
 class ResendView(_WebhookView):
