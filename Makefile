@@ -1,5 +1,5 @@
 # The two commands of the README. Each does its own set-up.
-.PHONY: run test test-fast test-pooler lint bench bench-quick bench-scale drill manage flower docs
+.PHONY: run test test-fast test-pooler lint bench bench-quick bench-scale bench-webhooks drill noisy-drill manage flower docs
 
 run:
 	@bash scripts/run.sh
@@ -26,6 +26,11 @@ bench:
 drill:
 	@bash scripts/drill.sh
 
+# The noisy-neighbour drill (docs/operations.md, bench/noisy.py): tenant B alone, then with tenant A doing its
+# worst on the same relay; one line per attack, exit 1 when one is not contained. About 1-2 minutes.
+noisy-drill:
+	@bash scripts/venv.sh requirements-dev.txt && bash scripts/services.sh && .venv/bin/python -m bench.noisy
+
 # Any manage.py command against the embedded relay: make manage ARGS="relay key create …"
 manage:
 	@bash scripts/embedded.sh manage.py $(ARGS)
@@ -41,6 +46,10 @@ bench-quick:
 # drain by worker replicas through PgBouncer with the s3 store on both sizes (bench/scale_drain.py).
 bench-scale:
 	@bash scripts/bench_scale.sh
+
+# Webhook delivery with 10 of 100 tenants' endpoints never answering (bench/webhooks.py): events/s and p99.
+bench-webhooks:
+	@bash scripts/venv.sh requirements-dev.txt && bash scripts/services.sh && .venv/bin/python -m bench.webhooks
 
 # A million records (issue 29, bench/scale_million.py): 20 × 50,000 provider-mode records from 5 tenants through the API, PgBouncer and the s3 store, then the size measurements at 2k and at 1M rows (~20 min on 2 cores).
 bench-million:
