@@ -15,7 +15,6 @@ import json
 import logging
 
 from django.contrib import admin, messages
-from django.contrib.admin.views.main import ChangeList
 from django.db.models import Count
 from django.urls import reverse
 from django.utils.html import format_html, format_html_join
@@ -28,7 +27,15 @@ from batches.provider.admin import ProviderJobInline  # registers the provider j
 from batches.surfaces import registry, retry
 from batches.surfaces.openai import read as openai_read
 from relay import auth
-from relay.admin_base import ChoicesFilter, LargeTableAdmin, ViewOnlyAdmin
+from relay.admin_base import (
+    SURFACE_NAMES,
+    ChoicesFilter,
+    LargeTableAdmin,
+    NamedOwnersChangeList,
+    ViewOnlyAdmin,
+    owner_label,
+    short_id,
+)
 from relay.errors import RelayError
 
 log = logging.getLogger(__name__)
@@ -138,9 +145,32 @@ def _item_counts(batch_ids: list) -> dict:
     return out
 
 
-class _BatchChangeList(ChangeList):
+class SurfaceFilter(ChoicesFilter):
+    """By the products' names (OpenAI, Anthropic, native), not Django's title-cased values ("Openai")."""
+
+    title = "surface"
+    parameter_name = "surface"
+    field = "surface"
+
+    def options(self):
+        return list(SURFACE_NAMES.items())
+
+
+def related_links(batch_id) -> str:
+    """A batch's rows in the other lists: its items, provider jobs, usage events and webhook deliveries."""
+    lists = (
+        ("items", "admin:batches_item_changelist", f"batch__id__exact={batch_id}"),
+        ("provider jobs", "admin:batches_providerjob_changelist", f"batch__id__exact={batch_id}"),
+        ("usage events", "admin:usage_usageevent_changelist", f"batch_id={batch_id}"),
+        ("webhook deliveries", "admin:webhooks_delivery_changelist", f"event__batch_id={batch_id}"),
+    )
+    return format_html_join(" · ", '<a href="{}?{}">{}</a>', ((reverse(url), q, label) for label, url, q in lists))
+
+
+class _BatchChangeList(NamedOwnersChangeList):
     """Counts items per state for the page's batches only, after paging: annotating the changelist's
-    queryset grouped every item of every batch before the LIMIT (4 s at a million items, bench/scale.py)."""
+    queryset grouped every item of every batch before the LIMIT (4 s at a million items, bench/scale.py).
+    Owners are named from one set of look-ups for the page (relay.admin_base.owner_labels)."""
 
     def get_results(self, request):
         super().get_results(request)
@@ -151,19 +181,10 @@ class _BatchChangeList(ChangeList):
 
 @admin.register(Batch)
 class BatchAdmin(ViewOnlyAdmin):
-    list_display = (
-        "shown_id",
-        "surface",
-        "owner",
-        "inbound_shape",
-        "endpoint",
-        "status",
-        "progress",
-        "total_items",
-        "created_at",
-        "completed_at",
-    )
-    list_filter = ("surface", "status", "inbound_shape", "endpoint", "principal_kind", "created_at")
+    # The key columns only, so the list fits a 1280 px laptop beside its filters: the total is in the progress
+    # label, the shape, endpoint and end time on the batch's page.
+    list_display = ("list_id", "surface_name", "owner", "status", "progress", "created_at")
+    list_filter = (SurfaceFilter, "status", "inbound_shape", "endpoint", "principal_kind", "created_at")
     search_fields = ("id", "owner_hash", "credential_id", "idempotency_key")
     date_hierarchy = "created_at"
     _openai_fields = (
@@ -202,6 +223,9 @@ class BatchAdmin(ViewOnlyAdmin):
         "api_object",
         "retry_of_link",
         "retried_by_links",
+        "owner",
+        "surface_name",
+        "related",
     ]
     inlines = [ItemInline, ProviderJobInline]
     actions = ["cancel_batches", "retry_failed_records"]
@@ -209,11 +233,13 @@ class BatchAdmin(ViewOnlyAdmin):
     def get_fieldsets(self, request, obj=None):
         common = (
             "id",
-            "surface",
+            "surface_name",
+            "owner",
             "inbound_shape",
             "status",
             "progress",
             "items_link",
+            "related",
             "total_items",
             "created_at",
             "completed_at",
@@ -263,7 +289,15 @@ class BatchAdmin(ViewOnlyAdmin):
 
     @admin.display(description="owner")
     def owner(self, obj):
-        return f"{obj.principal_kind}:{obj.principal_id} via {obj.credential_kind} {obj.credential_id}"
+        return getattr(obj, "owner_label", None) or owner_label(obj)
+
+    @admin.display(description="surface", ordering="surface")
+    def surface_name(self, obj):
+        return SURFACE_NAMES.get(obj.surface, obj.surface)
+
+    @admin.display(description="elsewhere")
+    def related(self, obj):
+        return related_links(obj.pk)
 
     @admin.display(description="progress (completed / discarded / cancelled / running / available)")
     def progress(self, obj):
@@ -280,6 +314,10 @@ class BatchAdmin(ViewOnlyAdmin):
     @admin.display(description="id", ordering="id")
     def shown_id(self, obj):
         return obj.public_id
+
+    @admin.display(description="id", ordering="id")
+    def list_id(self, obj):
+        return format_html('<span class="relay-id" title="{}">{}</span>', obj.public_id, short_id(obj.public_id))
 
     @admin.display(description="input file")
     def input_file(self, obj):
@@ -337,7 +375,7 @@ class BatchAdmin(ViewOnlyAdmin):
             ((reverse("admin:batches_batch_change", args=[c.pk]), c.public_id) for c in children),
         )
 
-    @admin.action(description="Retry the failed and expired records (a new batch for each)")
+    @admin.action(description="Retry the failed and expired records (a new batch for each)", permissions=["operate"])
     def retry_failed_records(self, request, queryset):
         """The API's retry_failed on behalf of each batch's owner: its own credential, which must still work."""
         for parent in queryset:
@@ -369,7 +407,7 @@ class BatchAdmin(ViewOnlyAdmin):
                 format_html("Batch {}: retried as {} ({} records).", parent.public_id, link, len(retried.parent_idx)),
             )
 
-    @admin.action(description="Cancel the selected batches")
+    @admin.action(description="Cancel the selected batches", permissions=["operate"])
     def cancel_batches(self, request, queryset):
         for batch in queryset:
             stop.cancel(batch)
@@ -420,17 +458,16 @@ class PlacementFilter(ChoicesFilter):
 class ItemAdmin(LargeTableAdmin):
     inlines = [AttemptInline]
     list_display = (
-        "batch",
-        "idx",
-        "custom_id",
+        "item",
+        "batch_link",
+        "custom",
         "state",
         "attempt",
-        "retries",
         "status_code",
-        "error",
+        "error_head",
         "finished_at",
-        "provider_job",
-        "placement",
+        "job_link",
+        "usage_link",
     )
     list_filter = ("state", PlacementFilter)
     search_fields = ("id", "batch__id", "custom_id", "error")
@@ -454,11 +491,54 @@ class ItemAdmin(LargeTableAdmin):
         "error",
         "provider_job",
         "placement",
+        "usage_link",
         "request",
         "response",
         "upstream_error_body",
     )
     readonly_fields = fields
+
+    @admin.display(description="item", ordering="idx")
+    def item(self, obj):
+        return f"#{obj.idx}"
+
+    @admin.display(description="batch")
+    def batch_link(self, obj):
+        public = obj.batch.public_id
+        return format_html(
+            '<a class="relay-id" href="{}" title="{}">{}</a>',
+            reverse("admin:batches_batch_change", args=[obj.batch_id]),
+            public,
+            short_id(public),
+        )
+
+    @admin.display(description="error")
+    def error_head(self, obj):
+        text = obj.error or ""
+        if len(text) <= 80:
+            return format_html('<span class="relay-wrap">{}</span>', text)
+        return format_html('<span class="relay-wrap" title="{}">{}…</span>', text, text[:80])
+
+    @admin.display(description="custom id", ordering="custom_id")
+    def custom(self, obj):
+        return format_html('<span class="relay-wrap">{}</span>', obj.custom_id) if obj.custom_id else "—"
+
+    @admin.display(description="provider job")
+    def job_link(self, obj):
+        if obj.provider_job_id is None:
+            return "—"
+        return format_html(
+            '<a class="relay-id" href="{}">{}</a>',
+            reverse("admin:batches_providerjob_change", args=[obj.provider_job_id]),
+            short_id(obj.provider_job_id),
+        )
+
+    @admin.display(description="usage event")
+    def usage_link(self, obj):
+        # An item's usage event carries its id as request_id (written by the transaction that finishes it).
+        if obj.state not in (ItemState.COMPLETED, ItemState.DISCARDED):
+            return "—"
+        return format_html('<a href="{}?request_id={}">usage</a>', reverse("admin:usage_usageevent_changelist"), obj.pk)
 
     @admin.display(description="request")
     def request(self, obj):
@@ -477,7 +557,7 @@ class ItemAdmin(LargeTableAdmin):
 class FileAdmin(ViewOnlyAdmin):
     """Files of the OpenAI surface: uploads (purpose batch) and the output/error files batches write."""
 
-    list_display = ("shown_id", "purpose", "filename", "bytes", "owner", "batch_link", "created_at")
+    list_display = ("list_id", "purpose", "file_name", "bytes", "owner", "batch_link", "created_at")
     list_filter = ("purpose", "created_at")
     search_fields = ("id", "filename", "owner_hash", "credential_id")
     date_hierarchy = "created_at"
@@ -512,16 +592,30 @@ class FileAdmin(ViewOnlyAdmin):
     def shown_id(self, obj):
         return obj.public_id
 
+    @admin.display(description="id", ordering="id")
+    def list_id(self, obj):
+        return format_html('<span class="relay-id" title="{}">{}</span>', obj.public_id, short_id(obj.public_id))
+
     @admin.display(description="owner")
     def owner(self, obj):
-        return f"{obj.principal_kind}:{obj.principal_id} via {obj.credential_kind} {obj.credential_id}"
+        return getattr(obj, "owner_label", None) or owner_label(obj)
+
+    def get_changelist(self, request, **kwargs):
+        return NamedOwnersChangeList
+
+    @admin.display(description="filename", ordering="filename")
+    def file_name(self, obj):
+        return format_html('<span class="relay-wrap">{}</span>', obj.filename)
 
     @admin.display(description="batch")
     def batch_link(self, obj):
         if obj.batch_id is None:
             return "—"
         return format_html(
-            '<a href="{}">batch_{}</a>', reverse("admin:batches_batch_change", args=[obj.batch_id]), obj.batch_id.hex
+            '<a class="relay-id" href="{}" title="batch_{}">batch_{}…</a>',
+            reverse("admin:batches_batch_change", args=[obj.batch_id]),
+            obj.batch_id.hex,
+            obj.batch_id.hex[:8],
         )
 
     @admin.display(description="content (first 4 KiB)")

@@ -13,6 +13,8 @@ would), and then, on top of that history:
 - /metrics: the usage rollup first catches up on the history (timed once: a one-off at upgrade), then
   five scrapes are timed;
 - the admin changelists of items, batches and usage events are timed (a superuser, three loads each);
+- the admin's landing page, the operator's console (relay/console.py), is timed cold (its 30-day spend read
+  afresh, as once a minute) and warm (the spend kept), three loads each;
 - table and index sizes per row are read from PostgreSQL.
 
 It measures the cost of size, not of a many-host drain: the history is written by SQL, not by 20 × 50,000
@@ -101,11 +103,11 @@ def _grow(principals, templates: list, target: int) -> None:
                     error_message, credential_kind, credential_id, principal_kind, principal_id, project_id,
                     team_id, policy_id, host_key_id, project, team, policy, model, provider, host, batch_id,
                     input_tokens, output_tokens, cache_read_tokens, cache_write_tokens, cost_nano_usd,
-                    billed_cost_nano_usd, executed_by)
+                    billed_cost_nano_usd, executed_by, usage_estimated)
                 SELECT i.id::text, 'batch', now() - (i.idx %% 86400) * interval '1 s',
                     CASE WHEN i.idx %% 50 = 0 THEN 500 ELSE 200 END, 20 + i.idx %% 3000, 1, '', '', 'key', '1',
                     'serviceaccount', %s, NULL, NULL, NULL, NULL, 'bench', 'bench', 'bench', 'gpt-4o', 'openai',
-                    'openai', %s, 12, 40, 0, 0, 430000, 215000, 'relay'
+                    'openai', %s, 12, 40, 0, 0, 430000, 215000, 'relay', false
                 FROM batches_item i WHERE i.batch_id = %s AND i.idx >= %s
                 """,
                 [principals[hash(b.id) % len(principals)].principal_id, str(b.id), b.id, base],
@@ -160,6 +162,23 @@ def _timed(fn, n: int) -> float:
     return statistics.median(times)
 
 
+def _landing_ms(client) -> tuple[float, float]:
+    """The landing page with its spend read afresh (the cache dropped before each load), then kept."""
+    from relay.redis import get_redis
+
+    def cold():
+        r = get_redis()
+        keys = r.keys("relay:console:*")
+        if keys:
+            r.delete(*keys)
+        assert client.get("/admin/").status_code == 200
+
+    def warm():
+        assert client.get("/admin/").status_code == 200
+
+    return _timed(cold, 3), _timed(warm, 3)
+
+
 def _sizes() -> dict:
     from django.db import connection
 
@@ -180,6 +199,7 @@ COLUMNS = [
     "sweep ms",
     "/metrics median ms",
     "admin ms",
+    "landing ms cold / warm",
     "item B/row heap+idx",
     "usage B/row heap+idx",
 ]
@@ -204,6 +224,7 @@ def measure_point(principal, pg_pid: int, client, token: dict) -> tuple[list[str
 
     scrape_ms = _timed(scrape, 5)
     admin_ms = [_timed(lambda p=page: client.get(p), 3) for page in ADMIN_PAGES]
+    landing_cold, landing_warm = _landing_ms(client)
     sizes = _sizes()
     cells = [
         f"{sizes['batches_item'][2]:,}",
@@ -213,6 +234,7 @@ def measure_point(principal, pg_pid: int, client, token: dict) -> tuple[list[str
         f"{sweep_ms:.0f}",
         f"{scrape_ms:.0f} (catch-up {catch_up_s:.1f} s)",
         " / ".join(f"{v:.0f}" for v in admin_ms),
+        f"{landing_cold:.0f} / {landing_warm:.0f}",
         f"{sizes['batches_item'][0]:.0f} + {sizes['batches_item'][1]:.0f}",
         f"{sizes['usage_usageevent'][0]:.0f} + {sizes['usage_usageevent'][1]:.0f}",
     ]

@@ -1,7 +1,9 @@
 """The pages people look at, opened in a real headless Chromium (Debian's `chromium` package): the built
-docs site, the API docs page, the admin's batch list and a batch's page with its progress bar, and the
-health page. A console error, a failed request or a missing element fails the test; a screenshot of
-each page is kept (in pytest's temporary directory, and in RELAY_SCREENSHOT_DIR when it is set).
+docs site, the API docs page, the admin's landing page (the operator's console) and every changelist after a
+seeded run, the batch list and a batch's page with its progress bar, and the health page, at a laptop's
+1280×800. A console error, a failed request, a missing element or a horizontal scroll bar fails the test; a
+screenshot of each page is kept (in pytest's temporary directory, whose path the run prints, and in
+RELAY_SCREENSHOT_DIR when it is set).
 
 Chromium is started here with the flags below and a fresh profile, and driven over its DevTools
 protocol by Playwright's Python package (`connect_over_cdp`: Playwright downloads no browser). Without
@@ -122,9 +124,12 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 @pytest.fixture(scope="module")
-def shots(tmp_path_factory):
-    """Where screenshots go: pytest's temporary directory, and RELAY_SCREENSHOT_DIR when set."""
+def shots(tmp_path_factory, pytestconfig):
+    """Where screenshots go: pytest's temporary directory (its path printed), and RELAY_SCREENSHOT_DIR when set."""
     tmp = tmp_path_factory.mktemp("screenshots")
+    reporter = pytestconfig.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(f"browser screenshots: {tmp}")
     extra = os.environ.get("RELAY_SCREENSHOT_DIR")
     dirs = [tmp]
     if extra:
@@ -153,17 +158,22 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
         pass
 
 
+# A laptop's window: every admin page must fit it without a horizontal scroll bar.
+VIEWPORT = {"width": 1280, "height": 800}
+
+
 @pytest.fixture
 def context(browser):
-    ctx = browser.new_context(viewport={"width": 1440, "height": 900})
+    ctx = browser.new_context(viewport=VIEWPORT)
     yield ctx
     ctx.close()
 
 
-def visit(context, url: str, name: str, shots, expect: dict[str, str | None], *, setup=None):
+def visit(context, url: str, name: str, shots, expect: dict[str, str | None], *, setup=None, fits=False):
     """Open url in a new tab; fail on a console error, a page error, a failed request or an HTTP error
-    answer, and on any selector of `expect` that is not visible (or whose text lacks the given text).
-    Saves a full-page screenshot named `name`.png. Returns the page, still open."""
+    answer, and on any selector of `expect` that is not visible (or whose text lacks the given text); with
+    `fits`, on a horizontal scroll bar (the page's, or a list's own). Saves a full-page screenshot named
+    `name`.png. Returns the page, still open."""
     page = context.new_page()
     problems: list[str] = []
 
@@ -198,7 +208,27 @@ def visit(context, url: str, name: str, shots, expect: dict[str, str | None], *,
         page.screenshot(path=str(directory / f"{name}.png"), full_page=True)
     assert not missing, f"{url}: missing {missing}"
     assert not problems, f"{url}: {problems}"
+    if fits:
+        wide = page.evaluate(_SCROLLS_SIDEWAYS)
+        assert not wide, f"{url}: scrolls sideways at {VIEWPORT['width']} px: {wide}"
     return page
+
+
+# The page, and any box that scrolls on its own (Django's changelist wraps its table in `.results`, which
+# scrolls instead of the page), wider than its window: what a horizontal scroll bar hides.
+_SCROLLS_SIDEWAYS = """() => {
+  const out = [];
+  const doc = document.documentElement;
+  if (doc.scrollWidth > doc.clientWidth + 1) out.push(`page ${doc.scrollWidth} > ${doc.clientWidth}`);
+  for (const el of document.querySelectorAll('body *')) {
+    const style = getComputedStyle(el);
+    if (['auto', 'scroll'].includes(style.overflowX) && el.scrollWidth > el.clientWidth + 1) {
+      const name = `${el.tagName.toLowerCase()}${el.id ? '#' + el.id : ''}.${el.className}`;
+      out.push(`${name} ${el.scrollWidth} > ${el.clientWidth}`);
+    }
+  }
+  return out;
+}"""
 
 
 def _browser_own(url: str) -> bool:
@@ -336,3 +366,53 @@ def test_health_page(logged_in, live_server, batch, shots):
             "#content-main td:has-text('openai-0')": None,
         },
     )
+
+
+@pytest.fixture
+def seeded_run(live_server, catalog):
+    """A few batches on every surface, a provider job, spend over days, a budget near its limit, an open
+    breaker, a failing webhook endpoint and failures in the last hour (tests/test_admin_console.py)."""
+    from tests.test_admin_console import seed_console
+
+    return seed_console(catalog)
+
+
+def test_admin_landing_page_and_every_list_fit_a_laptop(seeded_run, logged_in, live_server, shots):
+    # seeded_run first: logging in opens the landing page, whose spend is then kept for a minute.
+    from django.contrib import admin
+
+    visit(
+        logged_in,
+        f"{live_server.url}/admin/",
+        "admin-landing",
+        shots,
+        {
+            "#panel-now #in-flight": None,
+            "#panel-now #breakers": "openai-1",
+            "#panel-now #endpoints": "billing-hook",
+            "#panel-money svg.relay-chart": None,
+            "#panel-money #budgets": "proj-a-monthly",
+            "#panel-money #saved": "saved by provider batch mode",
+            "#panel-trouble #host-errors": "openai",
+            "#content-main .app-batches": None,
+        },
+        fits=True,
+    )
+    visit(
+        logged_in,
+        f"{live_server.url}/admin/?by=model",
+        "admin-landing-by-model",
+        shots,
+        {"svg.relay-chart": None},
+        fits=True,
+    )
+    for model in admin.site._registry:
+        opts = model._meta
+        visit(
+            logged_in,
+            f"{live_server.url}/admin/{opts.app_label}/{opts.model_name}/",
+            f"admin-list-{opts.app_label}-{opts.model_name}",
+            shots,
+            {"#changelist": None},
+            fits=True,
+        )

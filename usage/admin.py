@@ -6,11 +6,14 @@ deleting one from the admin would falsify history, so the admin is read-only.
 """
 
 import logging
+import uuid
 
 from django import forms
 from django.contrib import admin
+from django.urls import reverse
+from django.utils.html import format_html
 
-from relay.admin_base import ChoicesFilter, LargeTableAdmin
+from relay.admin_base import ChoicesFilter, LargeTableAdmin, NamedOwnersChangeList, owner_label, short_id, usd
 from relay.models import LLMModel, Project
 from usage import budgets
 from usage.models import Budget, UsageEvent
@@ -55,22 +58,20 @@ class ProjectFilter(ChoicesFilter):
 
 @admin.register(UsageEvent)
 class UsageEventAdmin(LargeTableAdmin):
+    # The key columns, to fit a 1280 px laptop beside the filters (the source is a filter; a batch record's
+    # event links to its item and batch): the event's page has every field.
     list_display = (
-        "ts",
-        "request_id",
-        "source",
+        "when",
+        "request",
         "status",
         "model",
-        "host",
-        "project",
-        "team",
+        "owner",
         "total_tokens",
-        "cost_nano_usd",
-        "billed_cost_nano_usd",
+        "cost",
         "executed_by",
-        "duration_ms",
-        "error_kind",
-        "batch_id",
+        "usage_estimated",
+        "error",
+        "batch_link",
     )
     # The table grows by one row per request: no filter reads its distinct values from the table, and
     # the page count is the planner's estimate past 10,000 rows (relay.admin_base.LargeTableAdmin).
@@ -79,6 +80,54 @@ class UsageEventAdmin(LargeTableAdmin):
     ordering = ("-ts", "-request_id")
 
     deletable = False
+
+    def get_changelist(self, request, **kwargs):
+        return NamedOwnersChangeList
+
+    @admin.display(description="ts (UTC)", ordering="ts")
+    def when(self, obj):
+        return format_html('<span style="white-space:nowrap">{}</span>', obj.ts.strftime("%Y-%m-%d %H:%M"))
+
+    @admin.display(description="error", ordering="error_kind")
+    def error(self, obj):
+        return format_html('<span class="relay-wrap">{}</span>', obj.error_kind) if obj.error_kind else "—"
+
+    @admin.display(description="request", ordering="request_id")
+    def request(self, obj):
+        """A batch record's event links to its item (the item's id is the event's request_id)."""
+        shown = format_html('<span class="relay-id" title="{}">{}</span>', obj.request_id, short_id(obj.request_id))
+        if obj.source == "batch" and _uuid(obj.request_id):
+            return format_html(
+                '<a href="{}">{}</a>', reverse("admin:batches_item_change", args=[obj.request_id]), shown
+            )
+        return shown
+
+    @admin.display(description="owner")
+    def owner(self, obj):
+        return getattr(obj, "owner_label", None) or owner_label(obj)
+
+    @admin.display(description="cost (billed)", ordering="cost_nano_usd")
+    def cost(self, obj):
+        if obj.cost_nano_usd is None:
+            return "unpriced"
+        if obj.billed_cost_nano_usd is None or obj.billed_cost_nano_usd == obj.cost_nano_usd:
+            return usd(obj.cost_nano_usd)
+        return f"{usd(obj.cost_nano_usd)} ({usd(obj.billed_cost_nano_usd)})"
+
+    @admin.display(description="batch")
+    def batch_link(self, obj):
+        if not _uuid(obj.batch_id):
+            return obj.batch_id or "—"
+        url = reverse("admin:batches_batch_change", args=[obj.batch_id])
+        return format_html('<a class="relay-id" href="{}" title="{}">{}</a>', url, obj.batch_id, short_id(obj.batch_id))
+
+
+def _uuid(value: str) -> bool:
+    try:
+        uuid.UUID(value)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 class BudgetForm(forms.ModelForm):

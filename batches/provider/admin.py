@@ -2,11 +2,12 @@
 name, never its value). Read-only: a job moves only through batches/provider/jobs.py."""
 
 from django.contrib import admin
+from django.db.models import OuterRef, Subquery
 from django.urls import reverse
-from django.utils.html import format_html
+from django.utils.html import format_html, format_html_join
 
 from batches.provider.models import ProviderJob
-from relay.admin_base import ViewOnlyAdmin
+from relay.admin_base import SURFACE_NAMES, ViewOnlyAdmin, short_id
 from relay.models import HostKey
 
 FIELDS = (
@@ -19,6 +20,7 @@ FIELDS = (
     "upstream_id",
     "upstream_input_file_id",
     "host_key_name",
+    "related",
     "records",
     "bytes",
     "completed",
@@ -36,33 +38,50 @@ FIELDS = (
 
 
 class _JobDisplay:
+    def get_queryset(self, request):
+        # The host key's name in the rows' own query, not one look-up per row.
+        name = HostKey.objects.filter(pk=OuterRef("host_key_id")).values("name")[:1]
+        return super().get_queryset(request).annotate(host_key_label=Subquery(name))
+
     @admin.display(description="host key")
     def host_key_name(self, obj):
         if not obj.host_key_id:
             return "—"
-        return HostKey.objects.filter(pk=obj.host_key_id).values_list("name", flat=True).first() or "(deleted)"
+        return getattr(obj, "host_key_label", None) or "(deleted)"
 
     @admin.display(description="batch")
     def batch_link(self, obj):
         url = reverse("admin:batches_batch_change", args=[obj.batch_id])
-        return format_html('<a href="{}">{}</a>', url, obj.batch_id)
+        return format_html('<a class="relay-id" href="{}" title="{}">{}</a>', url, obj.batch_id, short_id(obj.batch_id))
+
+    @admin.display(description="batch API", ordering="kind")
+    def kind_name(self, obj):
+        return SURFACE_NAMES.get(obj.kind, obj.kind)
+
+    @admin.display(description="elsewhere")
+    def related(self, obj):
+        """The job's records in the items list, and their usage events (their batch's)."""
+        links = (
+            (reverse("admin:batches_item_changelist"), f"provider_job__id__exact={obj.pk}", "records"),
+            (reverse("admin:usage_usageevent_changelist"), f"batch_id={obj.batch_id}&executed_by__exact=provider",
+             "usage events"),
+        )  # fmt: skip
+        return format_html_join(" · ", '<a href="{}?{}">{}</a>', links)
 
 
 @admin.register(ProviderJob)
 class ProviderJobAdmin(_JobDisplay, ViewOnlyAdmin):
     list_display = (
-        "id",
+        "job",
         "batch_link",
-        "kind",
+        "kind_name",
         "status",
         "upstream_status",
-        "upstream_id",
         "host_key_name",
         "records",
         "completed",
         "failed",
-        "polls",
-        "capacity_waits",
+        "related",
         "created_at",
     )
     list_filter = ("status", "kind")
@@ -70,6 +89,10 @@ class ProviderJobAdmin(_JobDisplay, ViewOnlyAdmin):
     fields = FIELDS
     readonly_fields = FIELDS
     show_full_result_count = False
+
+    @admin.display(description="id", ordering="id")
+    def job(self, obj):
+        return format_html('<span class="relay-id" title="{}">{}</span>', obj.pk, short_id(obj.pk))
 
 
 class ProviderJobInline(_JobDisplay, admin.TabularInline):

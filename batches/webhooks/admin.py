@@ -5,16 +5,17 @@ their hints. Endpoints are a tenant's own (the API creates them); the admin does
 import json
 
 from django.contrib import admin, messages
+from django.urls import reverse
 from django.utils.html import format_html
 
 from batches.webhooks import services
 from batches.webhooks.models import Delivery, DeliveryAttempt, WebhookEndpoint
-from relay.admin_base import ViewOnlyAdmin
+from relay.admin_base import ViewOnlyAdmin, short_id
 
 
 @admin.register(WebhookEndpoint)
 class WebhookEndpointAdmin(ViewOnlyAdmin):
-    list_display = ("name", "shown_id", "url", "types", "health", "created_at")
+    list_display = ("name", "list_id", "target", "types", "health", "created_at")
     list_filter = ("paused_at", "created_at")
     search_fields = ("id", "name", "url", "owner_hash")
     fields = (
@@ -41,6 +42,14 @@ class WebhookEndpointAdmin(ViewOnlyAdmin):
     def shown_id(self, obj):
         return obj.public_id
 
+    @admin.display(description="id")
+    def list_id(self, obj):
+        return format_html('<span class="relay-id" title="{}">{}</span>', obj.public_id, short_id(obj.public_id))
+
+    @admin.display(description="url", ordering="url")
+    def target(self, obj):
+        return format_html('<span class="relay-wrap">{}</span>', obj.url)
+
     @admin.display(description="event types")
     def types(self, obj):
         return ", ".join(obj.event_types)
@@ -57,12 +66,12 @@ class WebhookEndpointAdmin(ViewOnlyAdmin):
             return format_html("Failing since {}", obj.failing_since.strftime("%Y-%m-%d %H:%M UTC"))
         return "Active"
 
-    @admin.action(description="Resume deliveries (send what was kept)")
+    @admin.action(description="Resume deliveries (send what was kept)", permissions=["operate"])
     def resume(self, request, queryset):
         sent = sum(services.resume(endpoint) for endpoint in queryset)
         self.message_user(request, f"Resumed {queryset.count()} endpoint(s); {sent} waiting deliveries sent.")
 
-    @admin.action(description="Pause deliveries")
+    @admin.action(description="Pause deliveries", permissions=["operate"])
     def pause(self, request, queryset):
         for endpoint in queryset:
             services.pause(endpoint)
@@ -87,7 +96,16 @@ class AttemptInline(admin.TabularInline):
 @admin.register(Delivery)
 class DeliveryAdmin(ViewOnlyAdmin):
     inlines = [AttemptInline]
-    list_display = ("webhook_id", "event_type", "endpoint", "outcome", "attempts", "last_status_code", "created_at")
+    list_display = (
+        "list_id",
+        "event_type",
+        "endpoint",
+        "batch",
+        "outcome",
+        "attempts",
+        "last_status_code",
+        "created_at",
+    )
     list_filter = ("outcome", "event__type", "created_at")
     search_fields = ("id", "endpoint__name", "event__batch_id")
     list_select_related = ("event", "endpoint")
@@ -110,13 +128,24 @@ class DeliveryAdmin(ViewOnlyAdmin):
     readonly_fields = fields
     actions = ("resend",)
 
+    @admin.display(description="webhook-id", ordering="id")
+    def list_id(self, obj):
+        return format_html('<span class="relay-id" title="{}">{}</span>', obj.webhook_id, short_id(obj.webhook_id))
+
     @admin.display(description="event")
     def event_type(self, obj):
         return f"{obj.event.type}{' (test)' if obj.event.test else ''}"
 
     @admin.display(description="batch")
     def batch(self, obj):
-        return str(obj.event.batch_id) if obj.event.batch_id else "—"
+        if not obj.event.batch_id:
+            return "—"
+        url = reverse("admin:batches_batch_change", args=[obj.event.batch_id])
+        return format_html('<a class="relay-id" href="{}">{}</a>', url, short_id(obj.event.batch_id))
+
+    def lookup_allowed(self, lookup, value, request=None):
+        # A batch's page links to its deliveries (?event__batch_id=…).
+        return lookup == "event__batch_id" or super().lookup_allowed(lookup, value, request)
 
     @admin.display(description="body sent")
     def body(self, obj):
@@ -124,7 +153,7 @@ class DeliveryAdmin(ViewOnlyAdmin):
             "<pre style='white-space:pre-wrap'>{}</pre>", json.dumps(json.loads(obj.event.body), indent=2)
         )
 
-    @admin.action(description="Re-send (same webhook-id)")
+    @admin.action(description="Re-send (same webhook-id)", permissions=["operate"])
     def resend(self, request, queryset):
         for delivery in queryset:
             services.resend(delivery)
