@@ -27,7 +27,7 @@ import subprocess
 import sys
 import time
 
-from bench import harness, noisy_core
+from bench import harness, noisy_core, noisy_verdicts
 from bench.harness import env_int, log
 
 PY = harness.PY
@@ -72,20 +72,20 @@ def run() -> int:
         receiver = noisy_core.DeadReceiver()
         try:
             b, a = noisy_core.attacked_round(web.url, tenants, receiver)
-            seen = noisy_core.seen_by_provider(upstream)
-            billing = noisy_core.stream_billing(a, seen)
-            spend = noisy_core.provider_spend(tenants, a)
-            reached = noisy_core.headers_reached(noisy_core.seen_by_provider(upstream))
+            seen = noisy_verdicts.seen_by_provider(upstream)
+            billing = noisy_verdicts.stream_billing(a, seen)
+            spend = noisy_verdicts.provider_spend(tenants, a)
+            reached = noisy_verdicts.headers_reached(noisy_verdicts.seen_by_provider(upstream))
         finally:
             receiver.stop()
-        verdicts = noisy_core.verdicts(quiet, b, a, billing, spend, reached)
+        verdicts = noisy_verdicts.verdicts(quiet, b, a, billing, spend, reached)
         accepted = receiver.accepted
     print()
     print(f"== Noisy-neighbour drill — {time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} cores")
     width = max(len(v.attack) for v in verdicts)
     for v in verdicts:
         print(f"{v.attack:<{width}}  {'contained    ' if v.contained else 'NOT CONTAINED'}  {v.line}")
-    print(noisy_core.b_live_line(quiet, b))
+    print(noisy_verdicts.b_live_line(quiet, b))
     print(f"the dead receiver accepted {accepted} connections; A's errors: {a.errors or 'none'}")
     print(f"drill wall time {time.monotonic() - started:.0f} s")
     out = os.environ.get("NOISY_JSON")

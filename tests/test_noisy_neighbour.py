@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from bench import noisy_core
+from bench import noisy_core, noisy_verdicts
 from bench.noisy_core import AFigures, BFigures
 from tests.workers import ROOT, production_web, stop_process_group
 
@@ -62,10 +62,10 @@ def test_no_tenant_can_slow_bench_steer_or_dodge_the_bill_for_another(worker, re
     assert worker.alive(), worker.output()
     tenants = noisy_core.seed(provider)
     b, a = noisy_core.attacked_round(relay.url, tenants, dead_receiver, wait_s=B_BATCH_WAIT_S)
-    seen = noisy_core.seen_by_provider(provider)
-    billing = noisy_core.stream_billing(a, seen)
-    spend = noisy_core.provider_spend(tenants, a)
-    verdicts = noisy_core.verdicts(None, b, a, billing, spend, noisy_core.headers_reached(seen))
+    seen = noisy_verdicts.seen_by_provider(provider)
+    billing = noisy_verdicts.stream_billing(a, seen)
+    spend = noisy_verdicts.provider_spend(tenants, a)
+    verdicts = noisy_verdicts.verdicts(None, b, a, billing, spend, noisy_verdicts.headers_reached(seen))
     report = "\n".join(f"{v.attack}: {'contained' if v.contained else 'NOT CONTAINED'}: {v.line}" for v in verdicts)
     assert not a.errors, a.errors
     # Each attack really happened: the provider held A's slow calls until the relay gave up on them, its
@@ -106,7 +106,7 @@ SPEND = {"settled": True, "spend": 0, "budget": 0, "one_job": 0, "records_billed
 
 def _verdicts(quiet=None, b=None, a=None, billing=None, spend=None, reached=()):
     billing = [_stream() for _ in range(noisy_core.STREAMS)] if billing is None else billing
-    out = noisy_core.verdicts(quiet, b or _b(), a or _a(), billing, spend or SPEND, list(reached))
+    out = noisy_verdicts.verdicts(quiet, b or _b(), a or _a(), billing, spend or SPEND, list(reached))
     return {v.attack: v.contained for v in out}
 
 
@@ -140,8 +140,8 @@ def test_headers_are_judged_only_on_calls_that_were_answered():
             {"path": "/v1/messages", "header": "anthropic-beta", "value": "prompt-caching-2024-07-31"},
         ]
     }
-    assert noisy_core.headers_reached(seen) == []  # the operator's own values are not A's doing
+    assert noisy_verdicts.headers_reached(seen) == []  # the operator's own values are not A's doing
     seen["headers"].append({"path": "/v1/messages", "header": "anthropic-beta", "value": "mcp-client-2025-04-04"})
-    assert [row["value"] for row in noisy_core.headers_reached(seen)] == ["mcp-client-2025-04-04"]
-    assert not _verdicts(reached=noisy_core.headers_reached(seen))["provider headers"]
+    assert [row["value"] for row in noisy_verdicts.headers_reached(seen)] == ["mcp-client-2025-04-04"]
+    assert not _verdicts(reached=noisy_verdicts.headers_reached(seen))["provider headers"]
     assert not _verdicts(a=_a(header_statuses=[("chat", 503), ("messages", 400)]))["provider headers"]
