@@ -1,4 +1,4 @@
-"""Sharing capacity (issue 28): live traffic beside a draining batch on one host key, and a provider
+"""Sharing capacity: live traffic beside a draining batch on one host key, and a provider
 that limits tokens.
 
     python -m bench.capacity            (BENCH_QUICK=1: smaller runs)

@@ -1,4 +1,4 @@
-"""Issue 3: the relay's overhead per live request against a direct call to the same fake upstream.
+"""The relay's overhead per live request against a direct call to the same fake upstream.
 
     .venv/bin/python -m bench.live_overhead          (or: make bench, which runs every benchmark)
 

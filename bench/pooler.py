@@ -1,4 +1,4 @@
-"""PgBouncer's cost (issue 29): CPU per item of a native batch drained direct to PostgreSQL and through
+"""PgBouncer's cost: CPU per item of a native batch drained direct to PostgreSQL and through
 PgBouncer in transaction mode, in alternating runs (docs/pooler.md, "Cost"; goal: pooled within 10%).
 
     .venv/bin/python -m bench.pooler

@@ -1,4 +1,4 @@
-"""Issue 25: provider batch mode — an OpenAI-surface batch sent to the provider's own batch API.
+"""Provider batch mode — an OpenAI-surface batch sent to the provider's own batch API.
 
     .venv/bin/python -m bench.provider_batch      (or: BENCH_ONLY=provider make bench)
 
@@ -187,7 +187,7 @@ def _mem_lines(r: dict) -> list[str]:
 
 def print_report(r: dict) -> None:
     print()
-    print(f"== Provider batch mode (issue 25) — {measure.machine()}, {time.strftime('%Y-%m-%d %H:%M')}")
+    print(f"== Provider batch mode — {measure.machine()}, {time.strftime('%Y-%m-%d %H:%M')}")
     m = r["main"]
     poll, poll_max = r["poll_s"]
     print(

@@ -1,4 +1,4 @@
-"""A real drain at size (issue 29): batches from 5 tenants drained by item-worker replicas — real Celery
+"""A real drain at size: batches from 5 tenants drained by item-worker replicas — real Celery
 processes, as compose starts them — through PgBouncer in transaction mode, with the s3 payload store
 (moto's server on loopback), on top of a small and then a large history of rows.
 

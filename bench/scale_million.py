@@ -1,4 +1,4 @@
-"""A million records (issue 29): 20 batches × 50,000 records from 5 tenants, submitted through the API as a
+"""A million records: 20 batches × 50,000 records from 5 tenants, submitted through the API as a
 client would, on the stack of a many-host deployment — PgBouncer in transaction mode, the s3 payload store
 (moto's server on loopback), 4 item-worker replicas, a control worker and beat, the web server — with the
 relay's own measurements at 2,000 and at ~1,000,000 rows of items and usage events written by the relay.
@@ -488,7 +488,7 @@ def _report(started, load0, load1, m, v, scale_rows, drain_rows) -> None:
     per = cpu.per_unit_ms(n)
     n_anthropic = m["surfaces"].count("anthropic")
     print()
-    print(f"== A million records (issue 29) — {machine()}")
+    print(f"== A million records — {machine()}")
     print(
         f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime(started))}–{time.strftime('%H:%M', time.gmtime())} UTC; "
         f"{load0} at the start, {load1} at the end"

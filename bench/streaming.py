@@ -1,4 +1,4 @@
-"""Issue 26: streamed live calls through the relay against the same streams taken directly from the fake upstream.
+"""Streamed live calls through the relay against the same streams taken directly from the fake upstream.
 
     .venv/bin/python -m bench.streaming          (or: make bench, which runs every benchmark)
 
@@ -315,7 +315,7 @@ def _report_measure(label: str, r: dict) -> None:
 
 def print_report(r: dict, peer: bool = True) -> None:
     print()
-    print(f"== Streaming (issue 26) — {measure.machine()}, {time.strftime('%Y-%m-%d %H:%M')}")
+    print(f"== Streaming — {measure.machine()}, {time.strftime('%Y-%m-%d %H:%M')}")
     print(f"load at the end: {measure.load()}; relay web server: {r.get('server')}")
     print(
         f"POST {PATH} with stream: true, ~{r['events']} events a stream; first byte over {r['n']} pairs; "

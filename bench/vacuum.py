@@ -1,5 +1,5 @@
 """Autovacuum at PostgreSQL's defaults against the per-table settings docs/many-hosts.md recommends, on the
-items and usage tables' own write pattern (issue 29).
+items and usage tables' own write pattern.
 
     .venv/bin/python -m bench.vacuum          (about 10 minutes at the defaults on a 2-core machine)
 

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # `make bench`: the benchmark suite (bench/README.md). It prints figures; it never asserts timings.
 # Sets up .venv, makes sure PostgreSQL and Redis answer on localhost, then runs
-#   bench/live_overhead.py  — issue 3: relay overhead per live request vs a direct call
-#   bench/batch.py          — issue 4: 50,000-item submit, batch throughput, 50,000-result fetch
-#   bench/streaming.py      — issue 26: streamed calls: time to first byte and chunk throughput vs direct
+#   bench/live_overhead.py  — relay overhead per live request vs a direct call
+#   bench/batch.py          — 50,000-item submit, batch throughput, 50,000-result fetch
+#   bench/streaming.py      — streamed calls: time to first byte and chunk throughput vs direct
 #   bench/webhooks.py       — batch-end webhooks: 10,000 events' delivered rate and p99, a receiver outage
-#   bench/capacity.py       — issue 28: live p50/p99 and 429s alone vs with a batch draining on the same key;
+#   bench/capacity.py       — live p50/p99 and 429s alone vs with a batch draining on the same key;
 #                             a token-limited provider's 429 rate and drain (relay_bench_capacity, Redis db 12)
-#   bench/provider_batch.py — issue 25: a 50,000-record batch in provider mode: relay CPU, memory, polls, cost
+#   bench/provider_batch.py — a 50,000-record batch in provider mode: relay CPU, memory, polls, cost
 #                             (relay_bench_provider, Redis db 8; ~7 minutes, most of it the fake's 120 s job)
 # Each benchmark uses its own PostgreSQL database (relay_bench, relay_bench_batch, relay_bench_stream: dropped and
 # recreated each run, dropped at the end) and Redis db (9, 10, 11: flushed at start and end), and stops

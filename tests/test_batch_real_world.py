@@ -1,4 +1,4 @@
-"""Batches that finish against a real-world provider, with real worker processes (issue 10).
+"""Batches that finish against a real-world provider, with real worker processes.
 
 A fake provider that enforces a per-key rate and answers some requests 500;
 a worker frozen (SIGSTOP) inside its finishing transaction; control work while

@@ -201,7 +201,7 @@ def test_provider_quota_headers_pace_the_keys(catalog, fake):
     assert fake.rate_stats == {"ok": 3, "limited": 0}
 
 
-# --- the native surface keeps spec 000's default; opts in per batch --------------------------------
+# --- the native surface keeps its contract's default; opts in per batch --------------------------------
 
 
 def test_native_default_fails_at_once(catalog, fake):
@@ -258,7 +258,7 @@ def test_native_status_shows_the_retry_options(client, catalog):
     assert got[1]["retry"] == {"max_attempts": 4, "wait_for_capacity": True}
 
 
-# --- the native lease machinery, step by step (issue 9) --------------------------------------------
+# --- the native lease machinery, step by step --------------------------------------------
 
 
 def expire_lease(item_id):

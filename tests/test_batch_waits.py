@@ -1,4 +1,4 @@
-"""Waits where they belong (issue 28): a wait for a host's keys holds only the records bound for that host,
+"""Waits where they belong: a wait for a host's keys holds only the records bound for that host,
 records bound for healthy hosts keep running, and a waiting record is not claimed again before its wait ends.
 The policy's own limit and a spent budget still hold the whole batch.
 

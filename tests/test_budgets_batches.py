@@ -1,4 +1,4 @@
-"""Spend budgets on batch records (issue 28): a record reserves its worst case before its call and settles
+"""Spend budgets on batch records: a record reserves its worst case before its call and settles
 with its billed cost after; a spent budget makes an OpenAI (or Anthropic) batch wait for the period to
 roll over, and fails the item with budget_exceeded on the native surface. In process, against the fake
 provider, with real PostgreSQL and Redis."""

@@ -1,4 +1,4 @@
-"""The fast paths of batch submit (issue 11): jsonguard.encode answers exactly as check() does, the
+"""The fast paths of batch submit: jsonguard.encode answers exactly as check() does, the
 UUIDv7s of new items are well formed, and the streamed COPY of new items keeps the caller's error."""
 
 import math

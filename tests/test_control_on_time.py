@@ -1,4 +1,4 @@
-"""Control work on time while every item slot is busy (issue 28): with 2 workers × 8 slots held by records
+"""Control work on time while every item slot is busy: with 2 workers × 8 slots held by records
 that never answer, a batch whose window closed is `expired` within 5 s of its `expires_at`, and a cancelled
 batch is final within 2 s of its last running record stopping — native, OpenAI and Anthropic.
 

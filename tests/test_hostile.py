@@ -1,4 +1,4 @@
-"""Hostile input over every route (issue 12): no 5xx, every error JSON in its envelope, nothing left behind.
+"""Hostile input over every route: no 5xx, every error JSON in its envelope, nothing left behind.
 
 Hundreds of generated requests go through Django's full stack in process (middleware,
 handlers, views, the real PostgreSQL and Redis; the fake upstream answers what gets
@@ -26,7 +26,7 @@ NUL = '"a\\u0000b"'
 SURROGATE = '"a\\ud800b"'
 DEEP = "[" * 10_000 + "]" * 10_000
 DEEP_OBJ = '{"a":' * 10_000 + "1" + "}" * 10_000
-# JSON text fragments put in place of one value: the forms of issue 12 plus wrong types.
+# JSON text fragments put in place of one value: the hostile-input forms plus wrong types.
 HOSTILE_VALUES = [
     NUL,
     SURROGATE,

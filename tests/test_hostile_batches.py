@@ -1,4 +1,4 @@
-"""Batches on hostile input (issue 12): never stuck in validating, never a crashed item, no key echo
+"""Batches on hostile input: never stuck in validating, never a crashed item, no key echo
 in results, `openrelay` never forwarded, honest cancel answers, no filesystem path in messages.
 
 Items run in process through batches.draining.drain (the worker's own code path)."""

@@ -1,4 +1,4 @@
-"""The smaller edges of issue 30, in process against the real PostgreSQL and Redis: ids matched in full,
+"""The smaller leak-review edges, in process against the real PostgreSQL and Redis: ids matched in full,
 last-one-wins duplicate keys, short error messages, ASCII-only integers, Anthropic `params` checked at
 create, the schema's x-api-key, parse errors that say where, bodies too large to build, the 408 that
 names its limit, and a routing cache that junk model names cannot grow."""

@@ -1,4 +1,4 @@
-"""/metrics is bounded by the catalog (issue 30): no string a tenant sends becomes a label value, and
+"""/metrics is bounded by the catalog: no string a tenant sends becomes a label value, and
 the route answers only GET and HEAD."""
 
 import json

@@ -1,4 +1,4 @@
-"""The web server as embedded mode runs it (issue 30): it listens on 127.0.0.1 unless RELAY_BIND says
+"""The web server as embedded mode runs it: it listens on 127.0.0.1 unless RELAY_BIND says
 otherwise, keeps gunicorn's control socket in its own state directory, writes no query string to
 its access log, and recycles a worker that grew, without dropping a request.
 

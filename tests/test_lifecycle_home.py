@@ -1,4 +1,4 @@
-"""Guards of the structure issue 9 left: one home for state changes, no import cycle in batches/.
+"""Guards of the engine's structure: one home for state changes, no import cycle in batches/.
 
 Static checks over the source (no database): they fail the moment a module starts
 writing `status`/`state` itself or importing in a circle.

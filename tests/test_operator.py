@@ -1,4 +1,4 @@
-"""The operator's first day: the papercuts of issue 13, each checked.
+"""The operator's first day: its papercuts, each checked.
 
 .env.example parses, the launcher stops its whole process tree (also after a failed start),
 manage commands see the embedded instance's secrets, nothing lands in the checkout, `/` answers,

@@ -1,4 +1,4 @@
-"""Slow and odd clients against the real web server of embedded mode (issue 12).
+"""Slow and odd clients against the real web server of embedded mode.
 
 gunicorn is started with relay.webserver.gunicorn_argv — the argv embedded mode
 uses — against the test database. Every wait is bounded and every socket and

@@ -1,4 +1,4 @@
-"""Streamed live calls (issue 26), driven by the providers' own SDKs through the real web server.
+"""Streamed live calls, driven by the providers' own SDKs through the real web server.
 
 gunicorn is started with relay.webserver.gunicorn_argv — the argv of embedded mode and compose — against
 the test database; the fake upstream runs in this process and streams each provider's own events.

@@ -1,4 +1,4 @@
-"""A native batch whose `shape` comes before `requests` is stored while its body is read (issue 11):
+"""A native batch whose `shape` comes before `requests` is stored while its body is read:
 the items' COPY runs while the parse goes on, in one transaction that commits only after the whole
 body is parsed and checked. Keys after `requests` that change the picture replay the usual path.
 
