@@ -156,6 +156,19 @@ class SurfaceFilter(ChoicesFilter):
         return list(SURFACE_NAMES.items())
 
 
+# The request shapes by the products' names: the field's own values read "openai" and "Openai responses".
+SHAPE_NAMES = {"openai": "OpenAI Chat Completions", "openai_responses": "OpenAI Responses", "anthropic": "Anthropic"}
+
+
+class ShapeFilter(ChoicesFilter):
+    title = "inbound shape"
+    parameter_name = "inbound_shape"
+    field = "inbound_shape"
+
+    def options(self):
+        return list(SHAPE_NAMES.items())
+
+
 def related_links(batch_id) -> str:
     """A batch's rows in the other lists: its items, provider jobs, usage events and webhook deliveries."""
     lists = (
@@ -184,7 +197,7 @@ class BatchAdmin(ViewOnlyAdmin):
     # The key columns only, so the list fits a 1280 px laptop beside its filters: the total is in the progress
     # label, the shape, endpoint and end time on the batch's page.
     list_display = ("list_id", "surface_name", "owner", "status", "progress", "created_at")
-    list_filter = (SurfaceFilter, "status", "inbound_shape", "endpoint", "principal_kind", "created_at")
+    list_filter = (SurfaceFilter, "status", ShapeFilter, "endpoint", "principal_kind", "created_at")
     search_fields = ("id", "owner_hash", "credential_id", "idempotency_key")
     date_hierarchy = "created_at"
     _openai_fields = (

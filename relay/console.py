@@ -2,10 +2,10 @@
 
 Reads only, and cheap at a million items and usage events: every figure comes from a small table (batches,
 provider jobs, budgets, endpoints, the catalog), a partial index (running items), Redis (queues, breakers,
-slots), the usage rollup /metrics reads (relay/metrics_rollup.py), or an index range over the last hour of
-usage events. The one read that grows with traffic, spend per day over 30 days, is a grouped scan of those
-days' usage events: it is kept in Redis for SPEND_CACHE_S, so a page load pays it at most once a minute
-(bench/scale.py measures both). No read runs once per row shown.
+slots), the rollups /metrics' run keeps (relay/metrics_rollup.py: usage per label set, spend per day ×
+project × model), or an index range over the last hour of usage events. Spend per day over 30 days is read
+from the spend rollup (at most 31 days × projects × models rows), not grouped from a month of usage events,
+so no load pays a scan that grows with traffic (bench/scale.py measures it). No read runs once per row shown.
 
 Each panel is computed on its own: one that fails (Redis down) says so in its place and the others are
 still shown, as /metrics does per source.
@@ -13,13 +13,11 @@ still shown, as /metrics does per source.
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 
 from django.db.models import Count, F, Q, Sum
-from django.db.models.functions import Coalesce, TruncDate
 from django.utils import timezone
 
 from relay import metrics, metrics_rollup
@@ -28,7 +26,6 @@ from relay.admin_base import SURFACE_NAMES, surface_name, usd
 log = logging.getLogger(__name__)
 
 SPEND_DAYS = 30
-SPEND_CACHE_S = 60
 SPEND_SERIES = 6  # the biggest series of the chart; the rest are stacked as "other"
 IN_FLIGHT_SHOWN = 10
 BUDGET_WARN = 0.8
@@ -193,11 +190,11 @@ class Spend:
 def spend(by: str, now: datetime) -> Spend:
     """Billed spend per UTC day for the last SPEND_DAYS days, stacked by project or by model, and today's
     and this month's totals (what callers are charged: the billed cost after batch discounts, else the
-    cost). One grouped query, kept SPEND_CACHE_S in Redis."""
+    cost). One read of the spend rollup, which the page's refresh_rollup() has just brought up to date."""
     by = by if by in GROUPINGS else GROUPINGS[0]
     today = now.astimezone(UTC).date()
     first = min(today - timedelta(days=SPEND_DAYS - 1), today.replace(day=1))
-    rows = _spend_rows(by, first, today)
+    rows = [(day, name, int(nanos or 0)) for day, name, nanos in metrics_rollup.spend_rows(by, first)]
     days = [today - timedelta(days=SPEND_DAYS - 1 - i) for i in range(SPEND_DAYS)]
     index = {d: i for i, d in enumerate(days)}
     per_name: dict[str, list[int]] = {}
@@ -215,28 +212,6 @@ def spend(by: str, now: datetime) -> Spend:
         other = [sum(v[i] for _, v in ranked[SPEND_SERIES:]) for i in range(SPEND_DAYS)]
         series.append((f"other ({len(ranked) - SPEND_SERIES})", other))
     return Spend(by, days, series, today_nanos, month_nanos)
-
-
-def _spend_rows(by: str, first: date, today: date) -> list[tuple[date, str, int]]:
-    from relay.redis import get_redis
-    from usage.models import UsageEvent
-
-    key = f"relay:console:spend:{by}:{first.isoformat()}:{today.isoformat()}"
-    client = get_redis()
-    cached = client.get(key)
-    if cached:
-        return [(date.fromisoformat(d), n, v) for d, n, v in json.loads(cached)]
-    start = datetime.combine(first, datetime.min.time(), tzinfo=UTC)
-    rows = [
-        (day, name, int(nanos or 0))
-        for day, name, nanos in UsageEvent.objects.filter(ts__gte=start)
-        .annotate(day=TruncDate("ts", tzinfo=UTC))
-        .values_list("day", by)
-        .annotate(nanos=Sum(Coalesce("billed_cost_nano_usd", "cost_nano_usd")))
-        .order_by()
-    ]
-    client.set(key, json.dumps([(d.isoformat(), n, v) for d, n, v in rows]), ex=SPEND_CACHE_S)
-    return rows
 
 
 def provider_savings() -> dict:

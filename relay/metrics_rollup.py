@@ -13,6 +13,10 @@ GAP_TTL_S after it was first missed: longer than any transaction that writes usa
 RELAY_DB_IDLE_IN_TRANSACTION_TIMEOUT_MS). A gap that never fills is an id a rolled-back transaction
 took.
 
+The same run adds the events' billed spend per UTC day, project and model to `SpendRollup`, which the
+console's 30-day chart reads (relay/console.py): one reader of the usage table, so the two rollups count
+the same events, gaps included.
+
 The same run counts finished batch items' run time (claim to finish) per final state: every item that
 ran has exactly one usage event, written by the transaction that finishes it, so when the event is
 visible the item is final; its id is the event's request_id.
@@ -28,11 +32,13 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from datetime import UTC
 
 from django.db import DatabaseError, transaction
 from django.db.models import Case, CharField, Count, F, Max, Q, Sum, Value, When
+from django.db.models.functions import Coalesce, TruncDate
 
-from relay.models import ItemRunRollup, LLMModel, UsageRollup, UsageRollupCursor
+from relay.models import ItemRunRollup, LLMModel, SpendRollup, UsageRollup, UsageRollupCursor
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +102,27 @@ def _add(totals: dict, rows) -> int:
     return n
 
 
+# What a caller is charged for an event: the billed cost after batch discounts, else the cost.
+CHARGED = Coalesce("billed_cost_nano_usd", "cost_nano_usd")
+PRICED = Q(billed_cost_nano_usd__isnull=False) | Q(cost_nano_usd__isnull=False)
+
+
+def _add_spend(spend: dict, events) -> None:
+    """Add the billed spend of `events` per (UTC day, project, model). Unpriced events (refused, failed, an
+    unknown model) add nothing and make no row, so junk model names never reach the table."""
+    rows = (
+        events.filter(PRICED)
+        .annotate(day=TruncDate("ts", tzinfo=UTC))
+        .values_list("day", "project", "model")
+        .annotate(n=Count("pk"), nanos=Sum(CHARGED))
+        .order_by()
+    )
+    for day, project, model, n, nanos in rows:
+        t = spend.setdefault((day, project, model), [0, 0])
+        t[0] += n
+        t[1] += nanos or 0
+
+
 def _add_runs(runs: dict, events) -> None:
     """Run times of the batch items whose usage events are `events` (an item's event is written by the
     transaction that finishes it, so the item is final when its event is visible)."""
@@ -149,7 +176,7 @@ def _missing(ids: list[int], after: int, upto: int, now: float) -> list[list]:
     return gaps
 
 
-def _fill_gaps(events, gaps: list[list], totals: dict, runs: dict, now: float) -> tuple[list[list], int]:
+def _fill_gaps(events, gaps: list[list], totals: dict, runs: dict, spend: dict, now: float) -> tuple[list[list], int]:
     """Count the events that appeared in earlier gaps; return the gaps still open (and unexpired)."""
     live = [g for g in gaps if now - g[2] < GAP_TTL_S]
     if len(live) < len(gaps):
@@ -168,6 +195,7 @@ def _fill_gaps(events, gaps: list[list], totals: dict, runs: dict, now: float) -
             found_ids += ids
             counted += _add(totals, _grouped(events.filter(where)))
             _add_runs(runs, events.filter(where))
+            _add_spend(spend, events.filter(where))
     if not found_ids:
         return live, 0
     found = sorted(found_ids)
@@ -193,7 +221,8 @@ def advance(max_rows: int = MAX_ROWS_PER_RUN, *, wait: bool = False) -> int | No
         events = UsageEvent.objects.all()
         totals: dict = {}
         runs: dict = {}
-        gaps, counted = _fill_gaps(events, list(cursor.gaps), totals, runs, now)
+        spend: dict = {}
+        gaps, counted = _fill_gaps(events, list(cursor.gaps), totals, runs, spend, now)
         newest = events.filter(pk__gt=cursor.last_id).aggregate(m=Max("pk"))["m"]
         last = cursor.last_id
         if newest is not None:
@@ -204,9 +233,11 @@ def advance(max_rows: int = MAX_ROWS_PER_RUN, *, wait: bool = False) -> int | No
             if ids:
                 counted += _add(totals, _grouped(fresh))
                 _add_runs(runs, fresh)
+                _add_spend(spend, fresh)
             last = upto
         _store(totals)
         _store_runs(runs)
+        _store_spend(spend)
         UsageRollupCursor.objects.filter(pk=1).update(last_id=last, gaps=gaps)
     return counted
 
@@ -244,6 +275,27 @@ def _store_runs(runs: dict) -> None:
         row.save(update_fields=["n", "total_ms", "buckets"])
 
 
+def _store_spend(spend: dict) -> None:
+    if not spend:
+        return
+    # The cursor's lock makes this run the only writer: read the rows of the days this run touched (one or two,
+    # but for a catch-up over history) and write them back.
+    days = {day for day, _, _ in spend}
+    existing = {(r.day, r.project, r.model): r for r in SpendRollup.objects.filter(day__in=days)}
+    created, updated = [], []
+    for key, (n, nanos) in spend.items():
+        row = existing.get(key)
+        if row is None:
+            created.append(SpendRollup(day=key[0], project=key[1], model=key[2], n=n, nanos=nanos))
+        else:
+            row.n += n
+            row.nanos += nanos
+            updated.append(row)
+    SpendRollup.objects.bulk_create(created)
+    if updated:
+        SpendRollup.objects.bulk_update(updated, ["n", "nanos"])
+
+
 def catch_up() -> int:
     """Run until the rollup has passed every id written so far (the beat job; also after a bulk import)."""
     from usage.models import UsageEvent
@@ -259,6 +311,11 @@ def catch_up() -> int:
 def rows():
     """The usage rollup rows, for the scrape."""
     return UsageRollup.objects.all()
+
+
+def spend_rows(by: str, first):
+    """(day, project or model, nano-USD) from `first` (a date) on, for the console's chart."""
+    return SpendRollup.objects.filter(day__gte=first).values_list("day", by).annotate(nanos=Sum("nanos")).order_by()
 
 
 def run_rows():

@@ -409,6 +409,29 @@ class ItemRunRollup(models.Model):
         return f"{self.state}: {self.n}"
 
 
+class SpendRollup(models.Model):
+    """Billed spend per UTC day, project and model, for the console's 30-day chart (relay/console.py): kept by
+    the same run of relay/metrics_rollup.py as UsageRollup, so the page reads a few hundred rows instead of
+    grouping a month of usage events. Only priced events are counted (an unpriced one has no cost to add), so a
+    refused call's junk model name never makes a row. `nanos` is what callers are charged: the billed cost, else
+    the cost. Like UsageRollup it only grows: retention deleting usage events leaves past days' spend as it was."""
+
+    day = models.DateField()
+    project = models.CharField(max_length=100, blank=True, default="")
+    model = models.CharField(max_length=200, blank=True, default="")
+    n = models.BigIntegerField(default=0)
+    nanos = models.BigIntegerField(default=0)
+
+    class Meta:
+        constraints = [
+            # Leading with `day`: the console's read is a range over the last days.
+            models.UniqueConstraint(fields=["day", "project", "model"], name="spend_rollup_day_project_model")
+        ]
+
+    def __str__(self):
+        return f"{self.day} {self.project or '-'}/{self.model or '-'}: {self.nanos} nano-USD"
+
+
 class UsageRollupCursor(models.Model):
     """How far the rollup has read the usage table: every id up to `last_id` is counted except the
     `gaps` ([first id, last id, epoch s first seen] ranges of ids not committed when they were passed)."""

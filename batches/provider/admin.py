@@ -7,8 +7,20 @@ from django.urls import reverse
 from django.utils.html import format_html, format_html_join
 
 from batches.provider.models import ProviderJob
-from relay.admin_base import SURFACE_NAMES, ViewOnlyAdmin, short_id
+from relay.admin_base import SURFACE_NAMES, ChoicesFilter, ViewOnlyAdmin, short_id
 from relay.models import HostKey
+
+
+class KindFilter(ChoicesFilter):
+    """The batch API by its product's name (OpenAI, Anthropic), not the stored value."""
+
+    title = "batch API"
+    parameter_name = "kind"
+    field = "kind"
+
+    def options(self):
+        return [(k, SURFACE_NAMES[k]) for k in ("openai", "anthropic")]
+
 
 FIELDS = (
     "id",
@@ -84,7 +96,7 @@ class ProviderJobAdmin(_JobDisplay, ViewOnlyAdmin):
         "related",
         "created_at",
     )
-    list_filter = ("status", "kind")
+    list_filter = ("status", KindFilter)
     search_fields = ("id", "upstream_id", "batch__id")
     fields = FIELDS
     readonly_fields = FIELDS
