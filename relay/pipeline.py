@@ -304,7 +304,7 @@ def _routed_and_picked(call: Call, ctx: dict):
         try:
             # Catalog generation, inbound limit, key order, breaker probe, tier limit, the provider's
             # learned quota, LRU mark: one Redis round trip.
-            candidates = _candidates(route.keys)
+            candidates = key_candidates(route.keys)
             if route.keys and not candidates:
                 raise _unreadable_keys(route, call.request_id)
             picks = keypool.pick(
@@ -521,13 +521,16 @@ def _unreadable_keys(route: routing.Route, request_id: str) -> RelayError:
 
 
 @dataclass
-class _Candidate:
+class Candidate:
     key: object  # HostKey
     value: str
     key_hash: str  # breakers and LRU state are keyed by the value, so a rotated key starts fresh
 
 
-def _candidates(keys) -> list[_Candidate]:
+def key_candidates(keys) -> list[Candidate]:
+    """The pick stage's candidates (policies.keypool) from a route's keys, in order: each with its secret read
+    and remembered by the scrubber. The one place keys become candidates, for live calls, relay-run records
+    and provider batch jobs alike."""
     out = []
     for key in keys:
         try:
@@ -535,7 +538,7 @@ def _candidates(keys) -> list[_Candidate]:
         except SecretUnavailable:
             continue  # a key whose secret cannot be read is skipped, never sent
         scrub.remember(value)  # a provider echoing it back gets it scrubbed (relay.scrub)
-        out.append(_Candidate(key, value, sha256_hex(value)[:12]))
+        out.append(Candidate(key, value, sha256_hex(value)[:12]))
     return out
 
 

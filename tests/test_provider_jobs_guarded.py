@@ -124,15 +124,15 @@ def test_a_job_whose_worker_died_after_reserving_is_sent_once_and_reserves_once(
     budget = Budget.objects.create(name="proj", project=catalog.project, usd_nanos=10**12, period="month")
     batch = openai_batch(catalog, [chat("a"), chat("b")])
     job = ProviderJob.objects.get(batch=batch)
-    upload = wire.openai_upload
+    upload = wire.OpenAIBatchAPI.upload
 
     def dies(*args, **kwargs):
         raise WorkerDied
 
-    monkeypatch.setattr(wire, "openai_upload", dies)
+    monkeypatch.setattr(wire.OpenAIBatchAPI, "upload", dies)
     with pytest.raises(WorkerDied):
         jobs.advance(job.pk)
-    monkeypatch.setattr(wire, "openai_upload", upload)
+    monkeypatch.setattr(wire.OpenAIBatchAPI, "upload", upload)
     job.refresh_from_db()
     reserved = _period(budget).reserved_nanos
     assert job.status == JobStatus.PENDING and job.budget_hold is not None and reserved > 0
@@ -180,19 +180,19 @@ def test_records_released_to_the_relay_give_back_the_jobs_reservation(catalog, p
 def test_a_second_taker_after_the_lease_ran_out_never_creates_an_openai_job_twice(catalog, provider, monkeypatch):
     batch = openai_batch(catalog, [chat("a"), chat("b")])
     job = ProviderJob.objects.get(batch=batch)
-    upload = wire.openai_upload
+    upload = wire.OpenAIBatchAPI.upload
     calls = []
 
-    def slow_upload(target, records):
+    def slow_upload(api, records):
         calls.append(1)
         if len(calls) == 1:
             # The first sender is still uploading when its lease runs out: a second taker sends the job.
             ProviderJob.objects.filter(pk=job.pk).update(not_before=timezone.now() - timezone.timedelta(seconds=1))
             jobs.advance(job.pk)
             assert ProviderJob.objects.get(pk=job.pk).status == JobStatus.RUNNING
-        return upload(target, records)
+        return upload(api, records)
 
-    monkeypatch.setattr(wire, "openai_upload", slow_upload)
+    monkeypatch.setattr(wire.OpenAIBatchAPI, "upload", slow_upload)
     jobs.advance(job.pk)  # the first sender finishes its upload late: it must not create the job again
     assert len(calls) == 2 and provider.creates("openai") == 1
     drive(batch)
@@ -204,10 +204,10 @@ def test_a_sender_that_lost_its_lease_mid_body_cuts_the_anthropic_create_off(cat
     monkeypatch.setattr(jobs, "RENEW_EVERY_S", 0.0)  # time passes between the reads: each read looks
     batch = anthropic_batch(catalog, [claude("a"), claude("b")])
     job = ProviderJob.objects.get(batch=batch)
-    create = wire.anthropic_create
+    create = wire.AnthropicBatchAPI.create
     calls = []
 
-    def late_create(target, records):
+    def late_create(api, records):
         calls.append(1)
         if len(calls) == 1:
             # The first sender stalls before its body is out; its lease runs out. A second taker looks for the
@@ -217,9 +217,9 @@ def test_a_sender_that_lost_its_lease_mid_body_cuts_the_anthropic_create_off(cat
             assert ProviderJob.objects.get(pk=job.pk).status == JobStatus.PENDING
             jobs.advance(job.pk)
             assert ProviderJob.objects.get(pk=job.pk).status == JobStatus.RUNNING
-        return create(target, records)
+        return create(api, records)
 
-    monkeypatch.setattr(wire, "anthropic_create", late_create)
+    monkeypatch.setattr(wire.AnthropicBatchAPI, "create", late_create)
     jobs.advance(job.pk)
     assert len(calls) == 2 and provider.creates("anthropic") == 1
     drive(batch)
@@ -259,12 +259,12 @@ def test_a_lost_anthropic_create_never_waits_on_a_batch_another_job_holds(catalo
     jobs.advance(other.pk)
     assert ProviderJob.objects.get(pk=other.pk).status == JobStatus.RUNNING
 
-    def never_arrives(target, records):
+    def never_arrives(api, records):
         raise ConnectionError("the connection broke before the request was sent")
 
     batch = anthropic_batch(catalog, [claude("a")])
     job = ProviderJob.objects.get(batch=batch)
-    monkeypatch.setattr(wire, "anthropic_create", never_arrives)
+    monkeypatch.setattr(wire.AnthropicBatchAPI, "create", never_arrives)
     jobs.advance(job.pk)
     assert ProviderJob.objects.get(pk=job.pk).status == JobStatus.SUBMITTING
     # Its look finds one batch of its size and time, still running, that the other job holds: not a candidate,

@@ -17,7 +17,6 @@ Polls are one per job (never per record), at most one per RELAY_PROVIDER_POLL_SE
 backing off to RELAY_PROVIDER_POLL_MAX_SECONDS while the job runs.
 """
 
-import contextlib
 import json
 import logging
 import random
@@ -38,7 +37,7 @@ from batches.provider import placement, results, wire
 from batches.provider.models import OPEN_JOB_STATUSES, JobStatus, ProviderJob
 from policies import breaker, keypool, ratelimit
 from policies.breaker import Failure
-from relay import auth, catalog, routing, scrub
+from relay import auth, catalog, pipeline, routing, scrub
 from relay.crypto import SecretUnavailable, sha256_hex
 from relay.errors import RelayError
 from relay.models import BatchMode, HostBinding, HostKey
@@ -228,9 +227,9 @@ def cancel_jobs(batch_id) -> int:
             continue
         if job.status in (JobStatus.RUNNING, JobStatus.SUBMITTING) and job.upstream_id:
             context = _context(job)
-            if context is not None:
+            if context is not None and context.api is not None:
                 try:
-                    wire.cancel(context.target, job.kind, job.upstream_id)
+                    context.api.cancel()
                 except (wire.Refused, Exception) as exc:  # the poll sees the job end either way
                     log.warning("job %s: cancel upstream failed: %s", job.pk, exc)
         dispatch.hand_off(TASK, job.pk)
@@ -241,13 +240,17 @@ def cancel_jobs(batch_id) -> int:
 
 
 class _Context:
-    def __init__(self, batch, binding, route, target, key):
-        self.batch, self.binding, self.route, self.target, self.key = batch, binding, route, target, key
+    """`api`: the job's provider batch API (wire.REGISTRY), bound to the job and its target; None with no
+    usable key."""
+
+    def __init__(self, job, batch, binding, route, key, target):
+        self.batch, self.binding, self.route, self.key, self.target = batch, binding, route, key, target
+        self.api = wire.api(job.kind)(target, job) if target is not None else None
 
 
 def _context(job: ProviderJob, pick: bool = False) -> "_Context | None":
-    """What the job needs to talk to its provider: its batch, binding, route and host key (`pick`: choose a
-    key by the policy's selection, as the live pipeline does; else the job's own)."""
+    """What the job needs to talk to its provider: its batch, binding, route, host key and batch API (`pick`:
+    choose a key by the policy's selection, as the live pipeline does; else the job's own)."""
     batch = Batch.objects.filter(pk=job.batch_id).first()
     binding = HostBinding.objects.select_related("host", "model", "pricing").filter(pk=job.binding_id).first()
     if batch is None or binding is None:
@@ -261,16 +264,14 @@ def _context(job: ProviderJob, pick: bool = False) -> "_Context | None":
         except RelayError:
             route = None
     keys = list(route.keys) if route is not None and route.binding.id == binding.id else []
-    for key in keys:  # as the pipeline does: any pool key the provider echoes back is scrubbed (relay.scrub)
-        with contextlib.suppress(SecretUnavailable):
-            scrub.remember(key.get_value())
+    # The pipeline's own candidates: every pool key is remembered by the scrubber (one the provider echoes
+    # back is scrubbed), as for a live call.
+    candidates = pipeline.key_candidates(keys)
     if not pick:
         key = HostKey.objects.filter(pk=job.host_key_id).first() if job.host_key_id else None
-        if key is None:
-            return _Context(batch, binding, route, None, None)
-        return _Context(batch, binding, route, _target(binding, key), key)
-    key = _pick(policy, keys) if keys else None
-    return _Context(batch, binding, route, _target(binding, key) if key else None, key)
+    else:
+        key = _pick(policy, candidates)
+    return _Context(job, batch, binding, route, key, _target(binding, key) if key is not None else None)
 
 
 def _target(binding, key) -> wire.Target | None:
@@ -282,24 +283,13 @@ def _target(binding, key) -> wire.Target | None:
     return wire.Target(binding.host.base_url, binding.adapter, value, key)
 
 
-class _Cand:
-    def __init__(self, key, value):
-        self.key, self.value, self.key_hash = key, value, sha256_hex(value)[:12]
-
-
-def _pick(policy, keys):
-    """The policy's key selection and breakers, as for a live call; no inbound limit is spent (a job is one
-    request to the provider's batch quota, not the policy's requests)."""
-    cands = []
-    for key in keys:
-        try:
-            cands.append(_Cand(key, key.get_value()))
-        except SecretUnavailable:
-            continue
-    if not cands:
+def _pick(policy, candidates: list):
+    """The policy's key selection and breakers over the pipeline's candidates, as for a live call; no inbound
+    limit is spent (a job is one request to the provider's batch quota, not the policy's requests)."""
+    if not candidates:
         return None
-    picks = keypool.Picks(policy, cands, 1).start(ratelimit.plan(f"provider-job:{policy.id}", None, subject=""))
-    for cand, tier in picks:
+    no_inbound = ratelimit.plan(f"provider-job:{policy.id}", None, subject="")
+    for cand, tier in keypool.Picks(policy, candidates, 1).start(no_inbound):
         tier.release()
         return cand.key
     return None
@@ -344,18 +334,22 @@ def _send(job: ProviderJob) -> None:
             return
     if context.key.id != job.host_key_id or reserve:
         job.upstream_input_file_id = ""  # an uploaded file belongs to the key's organisation; reserving reads
-    records = wire.InputFile(job.kind, job.pk, job.endpoint)
+    api = context.api
+    records = api.records()
     records.on_read = _renewer(job)
     creating = False
     try:
         worst = None
-        if job.kind == "anthropic" or not job.upstream_input_file_id:
+        # An input file uploaded by an earlier send (same key) is reused; else the records are written out.
+        if not job.upstream_input_file_id:
             worst = _write_records(job, context.binding, records, batch.discount_percent)
         if reserve and not _reserve(job, principal, batch, worst or 0):
             return
-        if job.kind == "openai" and not job.upstream_input_file_id:
-            file_id = wire.openai_upload(context.target, records)
-            if not _set(job, JobStatus.PENDING, upstream_input_file_id=file_id, host_key_id=context.key.id):
+        if not job.upstream_input_file_id:
+            file_id = api.upload(records)  # None: this API takes the records in the create itself
+            if file_id is not None and not _set(
+                job, JobStatus.PENDING, upstream_input_file_id=file_id, host_key_id=context.key.id
+            ):
                 return  # another taker has the job: its own send goes on
         creating = True
         # The one move that lets a create happen, fenced on this process's lease: two takers never both pass.
@@ -369,10 +363,7 @@ def _send(job: ProviderJob) -> None:
             not_before=timezone.now() + timezone.timedelta(seconds=FIND_AFTER_S),
         ):
             return
-        if job.kind == "openai":
-            upstream_id = wire.openai_create(context.target, job, job.upstream_input_file_id)
-        else:
-            upstream_id = wire.anthropic_create(context.target, records)
+        upstream_id = api.create(records)
     except wire.LeaseLost as exc:
         log.warning("%s: its send is abandoned", exc)
         return
@@ -522,15 +513,13 @@ def _find(job: ProviderJob) -> None:
     if context is None or context.target is None:
         _wait(job, _backoff(job.create_attempts), "the job's key is gone: sent again", frm=JobStatus.SUBMITTING)
         return
-    # The upstream batches other jobs on this host already hold are nobody's lost create (Anthropic: found by
-    # reading candidates' results, so one another job holds is never waited on).
-    owned = set()
-    if job.kind == "anthropic":
-        since = (job.submit_started_at or job.created_at) - wire.FIND_WINDOW
-        others = ProviderJob.objects.filter(host_id=job.host_id, kind=job.kind, submitted_at__gte=since)
-        owned = set(others.exclude(upstream_id="").exclude(pk=job.pk).values_list("upstream_id", flat=True))
+    # The upstream batches other jobs on this host already hold are nobody's lost create (an API that finds a
+    # job by reading its candidates' results never waits on one another job holds).
+    since = (job.submit_started_at or job.created_at) - wire.FIND_WINDOW
+    others = ProviderJob.objects.filter(host_id=job.host_id, kind=job.kind, submitted_at__gte=since)
+    owned = set(others.exclude(upstream_id="").exclude(pk=job.pk).values_list("upstream_id", flat=True))
     try:
-        upstream_id = wire.find(context.target, job, owned)
+        upstream_id = context.api.find(owned)
     except wire.NotYetKnown as exc:
         log.info("job %s: its lost create cannot be told apart yet (%s): looked for again later", job.pk, exc)
         _later(job.pk, job.not_before)
@@ -562,7 +551,7 @@ def _poll(job: ProviderJob) -> None:
         _later(job.pk, job.not_before)  # the key's secret is unreadable now: polled again later
         return
     try:
-        st = wire.status(context.target, job.kind, job.upstream_id)
+        st = context.api.status()
     except (wire.Refused, Exception) as exc:  # a provider answering 500 to polls: poll again, never fail
         ProviderJob.objects.filter(pk=job.pk).update(last_error=_why(f"poll: {exc}"))
         _later(job.pk, job.not_before)
@@ -593,8 +582,8 @@ def _ingest(job: ProviderJob, st: "wire.Status | None" = None) -> None:
         return
     try:
         if st is None:
-            st = wire.status(context.target, job.kind, job.upstream_id)
-        results.write(job, context, wire.results(context.target, job.kind, st), renew=lambda: _renew(job))
+            st = context.api.status()
+        results.write(job, context, context.api.results(st), renew=lambda: _renew(job))
     except (wire.Refused, Exception) as exc:
         # Reading the results broke off: what was written stays (fenced per record), the rest next time.
         log.warning("job %s: reading its results failed: %s", job.pk, exc, exc_info=True)

@@ -36,7 +36,7 @@ class ProviderJob(models.Model):
     # runs must not change where its results are fetched from.
     binding_id = models.BigIntegerField()
     host_id = models.BigIntegerField()
-    kind = models.CharField(max_length=16)  # the batch API: "openai" | "anthropic"
+    kind = models.CharField(max_length=16)  # the batch API: a name in batches.provider.wire.REGISTRY
     endpoint = models.CharField(max_length=32)  # the records' path: /v1/chat/completions, /v1/messages, …
     host_key_id = models.BigIntegerField(null=True, blank=True)  # chosen when the job is first sent
     status = models.CharField(max_length=16, choices=JobStatus.choices, default=JobStatus.PENDING)
@@ -76,6 +76,7 @@ class ProviderJob(models.Model):
             models.CheckConstraint(
                 condition=Q(status__in=[s.value for s in JobStatus]), name="provider_job_status_valid"
             ),
+            # The registry's names (a new provider widens it in a migration: decision 0018).
             models.CheckConstraint(condition=Q(kind__in=["openai", "anthropic"]), name="provider_job_kind_valid"),
             # One row per upstream batch: a job found again by listing can never be adopted twice.
             models.UniqueConstraint(

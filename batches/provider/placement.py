@@ -19,24 +19,14 @@ import uuid6
 from django.conf import settings
 
 from batches.models import Batch, ItemState, Surface
+from batches.provider import wire
 from batches.provider.models import JobStatus, ProviderJob
 from batches.tools import config as tools_config
 from relay import catalog, routing
 from relay.errors import RelayError
-from relay.models import Adapter, BatchMode, HostBinding
+from relay.models import BatchMode, HostBinding
 
 log = logging.getLogger(__name__)
-
-# Each binding adapter's batch API, and the endpoints that API takes.
-BATCH_API = {Adapter.OPENAI: "openai", Adapter.OPENAI_RESPONSES: "openai", Adapter.ANTHROPIC: "anthropic"}
-BATCHED_ENDPOINTS = {
-    "openai": frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"}),
-    "anthropic": frozenset({"/v1/messages"}),
-}
-# The providers' own limits per job: requests, and bytes of the input (OpenAI: one file; Anthropic: one body).
-JOB_LIMITS = {"openai": (50_000, 200 * 1024 * 1024), "anthropic": (100_000, 256 * 1024 * 1024)}
-# A record's line around its body: custom_id, method, url (OpenAI) or custom_id and params (Anthropic).
-LINE_OVERHEAD = 160
 
 NOTE_TOOL_CONFIG = "tool_config"
 NOTE_ENDPOINT = "endpoint"
@@ -88,12 +78,12 @@ class Planner:
         route = self._route(body.get("model"))
         if route is None or route.binding.batch_mode == BatchMode.RELAY:
             return None
-        kind = BATCH_API.get(route.adapter)
-        if kind is None or self.endpoint not in BATCHED_ENDPOINTS[kind]:
+        api = wire.for_adapter(route.adapter)  # the batch API the binding's adapter takes (the registry)
+        if api is None or self.endpoint not in api.endpoints:
             return Placement(ItemState.AVAILABLE, note=NOTE_ENDPOINT)
         if self.endpoint == "/v1/chat/completions" and _has_tool_config(body):
             return Placement(ItemState.AVAILABLE, note=NOTE_TOOL_CONFIG)
-        job = self._job(route, kind, size + LINE_OVERHEAD)
+        job = self._job(route, api, size + api.line_overhead)
         self.delegated += 1
         return Placement(ItemState.DELEGATED, job.id)
 
@@ -113,8 +103,9 @@ class Planner:
                 self.routes[model] = None  # it fails in the relay, as it would have
         return self.routes[model]
 
-    def _job(self, route, kind: str, size: int) -> ProviderJob:
-        max_records, max_bytes = JOB_LIMITS[kind]
+    def _job(self, route, api: type[wire.BatchAPI], size: int) -> ProviderJob:
+        """The binding's open job, or a new one when the record would take it past the API's limits."""
+        max_records, max_bytes = api.max_records, api.max_bytes
         if settings.RELAY_PROVIDER_JOB_MAX_RECORDS:
             max_records = min(max_records, settings.RELAY_PROVIDER_JOB_MAX_RECORDS)
         job = self.open.get(route.binding.id)
@@ -124,7 +115,7 @@ class Planner:
                 batch_id=self.batch.id,
                 binding_id=route.binding.id,
                 host_id=route.host.id,
-                kind=kind,
+                kind=api.kind,
                 endpoint=self.endpoint,
                 status=JobStatus.PENDING,
             )

@@ -1,4 +1,4 @@
-"""The providers' batch APIs (Files, Batches): `exchange()`, used by batches/provider/wire.py."""
+"""The providers' batch APIs (Files, Batches): `exchange()`, the one HTTP exit of batches/provider/wire/."""
 
 import requests
 
