@@ -6,26 +6,33 @@ from django.db import migrations, models
 def backfill(apps, schema_editor):
     """Count into the new spend rollup every usage event the usage rollup has already passed (ids up to its
     cursor, less its open gaps, which the next run counts into both): from then on the two advance together.
-    The cursor row is locked so a run cannot move it during the copy."""
+    The cursor row is locked so a run cannot move it during the copy. Through the ORM, as the rollup itself
+    counts (relay/metrics_rollup.py): embedded installs upgrade on SQLite."""
+    from datetime import UTC
+
+    from django.db.models import Count, Q, Sum
+    from django.db.models.functions import Coalesce, TruncDate
+
     Cursor = apps.get_model("relay", "UsageRollupCursor")
+    Event = apps.get_model("usage", "UsageEvent")
+    Spend = apps.get_model("relay", "SpendRollup")
     cursor = Cursor.objects.select_for_update().filter(pk=1).first()
     if cursor is None or not cursor.last_id:
         return  # nothing counted yet: the first run counts everything
-    outside_gaps = "".join(" AND NOT (id BETWEEN %s AND %s)" for _ in cursor.gaps)
-    params = [cursor.last_id]
+    billed = Coalesce("billed_cost_nano_usd", "cost_nano_usd")
+    events = Event.objects.filter(id__lte=cursor.last_id).annotate(billed=billed).filter(billed__isnull=False)
     for lo, hi, _ in cursor.gaps:
-        params += [lo, hi]
-    with schema_editor.connection.cursor() as cur:
-        cur.execute(
-            "INSERT INTO relay_spendrollup (day, project, model, n, nanos)"
-            " SELECT (ts AT TIME ZONE 'UTC')::date, project, model, count(*),"
-            " sum(coalesce(billed_cost_nano_usd, cost_nano_usd))"
-            " FROM usage_usageevent"
-            " WHERE id <= %s AND coalesce(billed_cost_nano_usd, cost_nano_usd) IS NOT NULL"
-            + outside_gaps
-            + " GROUP BY 1, 2, 3",
-            params,
-        )
+        events = events.exclude(Q(id__gte=lo) & Q(id__lte=hi))
+    rows = (
+        events.annotate(day=TruncDate("ts", tzinfo=UTC))
+        .values("day", "project", "model")
+        .annotate(n=Count("id"), nanos=Sum("billed"))
+        .order_by()
+    )
+    Spend.objects.bulk_create(
+        [Spend(day=r["day"], project=r["project"], model=r["model"], n=r["n"], nanos=r["nanos"]) for r in rows],
+        batch_size=1000,
+    )
 
 
 class Migration(migrations.Migration):
