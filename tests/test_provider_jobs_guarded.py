@@ -117,6 +117,31 @@ def test_a_budget_that_fits_one_job_stops_after_one_job(catalog, provider, setti
     assert period.reserved_nanos == 0 and period.spent_nanos == _billed(batch) > 0
 
 
+def test_a_job_that_does_not_fit_its_budget_waits_without_reading_its_records_again(catalog, provider, monkeypatch):
+    # A little room left (the budget check passes) but less than the job's worst case: the reservation refuses.
+    # The first look reads the records out to learn their worst case; every later look weighs the stored figure.
+    budget = Budget.objects.create(name="proj", project=catalog.project, usd_nanos=1, period="month")
+    batch = openai_batch(catalog, [chat(f"r{i}") for i in range(4)])
+    job = ProviderJob.objects.get(batch=batch)
+    reads = []
+    real = jobs._write_records
+    monkeypatch.setattr(jobs, "_write_records", lambda *a, **k: reads.append(1) or real(*a, **k))
+    for _ in range(4):
+        _advance_now(job.pk)
+    job.refresh_from_db()
+    assert len(reads) == 1 and job.worst_nanos > 1
+    assert job.status == JobStatus.PENDING and job.budget_hold is None and "budget_exceeded" in job.last_error
+    assert provider.requests() == [] and _period(budget).reserved_nanos == 0
+
+    # Raised past the stored worst case: reserved before the read-out, then sent once.
+    budget.usd_nanos = job.worst_nanos
+    budget.save()
+    _advance_now(job.pk)
+    job.refresh_from_db()
+    assert job.status == JobStatus.RUNNING and _period(budget).reserved_nanos == job.worst_nanos
+    assert provider.creates("openai") == 1
+
+
 def test_a_job_whose_worker_died_after_reserving_is_sent_once_and_reserves_once(catalog, provider, monkeypatch):
     class WorkerDied(BaseException):
         """The process ends mid-send (killed): nothing after it runs."""

@@ -332,6 +332,15 @@ def _send(job: ProviderJob) -> None:
         except budgets.BudgetExceeded as exc:
             _wait_budget(job, exc)
             return
+    if reserve and job.worst_nanos is not None:
+        # Weighed before anything is read: a job that does not fit waits at the cost of one statement.
+        try:
+            if not _reserve(job, principal, batch, job.worst_nanos):
+                return
+        except budgets.BudgetExceeded as exc:
+            _wait_budget(job, exc)
+            return
+        reserve = False
     if context.key.id != job.host_key_id or reserve:
         job.upstream_input_file_id = ""  # an uploaded file belongs to the key's organisation; reserving reads
     api = context.api
@@ -343,6 +352,8 @@ def _send(job: ProviderJob) -> None:
         # An input file uploaded by an earlier send (same key) is reused; else the records are written out.
         if not job.upstream_input_file_id:
             worst = _write_records(job, context.binding, records, batch.discount_percent)
+            if job.worst_nanos is None and not _set(job, JobStatus.PENDING, worst_nanos=worst):
+                return  # another taker has the job
         if reserve and not _reserve(job, principal, batch, worst or 0):
             return
         if not job.upstream_input_file_id:

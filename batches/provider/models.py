@@ -67,6 +67,10 @@ class ProviderJob(models.Model):
     # job is sent and given back as its results are written or when it ends: {"holds": [[hold id, period
     # id, nanos]], "budgets": [ids], "per_record": nanos}. Null: nothing reserved (no budget applies).
     budget_hold = models.JSONField(null=True, blank=True)
+    # The records' summed worst case (nano-USD, batch discount taken), worked out the first time the records
+    # are read out. A job waiting on a spent budget is then weighed against the room left without reading its
+    # records again: a tenant with a little budget left and a large job costs the control queue one read.
+    worst_nanos = models.BigIntegerField(null=True, blank=True)
 
     class Meta:
         indexes = [
