@@ -10,7 +10,11 @@ class BatchesConfig(AppConfig):
 
         # Deleting a batch or a file removes its stored bytes (post_delete receivers).
         from batches import retention  # noqa: F401
+        from batches.surfaces import installed
         from batches.worker import warmup
+
+        # Every surface's object into the registry the lifecycle, sweeper and views look them up in.
+        installed.install()
 
         # A batch worker warms up before it takes work (Celery's worker_init comes after this).
         warmup.connect()

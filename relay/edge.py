@@ -17,10 +17,11 @@ EdgeMiddleware (first in settings.MIDDLEWARE):
   between two reads): a client that sends headers and a few bytes cannot hold
   a server thread for longer (408);
 - answers any error of an API path (everything but /admin/) as JSON in the
-  product's envelope: OpenAI's shape on the OpenAI surface (`/v1/batches`,
-  `/v1/files`), Anthropic's on its Message Batches (`/v1/messages/batches`),
-  the relay's elsewhere. An unexpected exception is logged with
-  the request id and answered 500 without internals.
+  product's envelope: the envelope of the routes an app registered
+  (`register_routes`: the batches app registers each batch surface, so OpenAI's
+  shape on `/v1/batches` and `/v1/files`, Anthropic's on `/v1/messages/batches`),
+  Anthropic's on the live Anthropic routes, the relay's elsewhere. An unexpected
+  exception is logged with the request id and answered 500 without internals.
 
 JSON bodies are checked once, where they are parsed: relay.http.parse_json_object
 (live routes) and batches.ingest (POST /v1/batches), both through relay.jsonguard.
@@ -29,6 +30,7 @@ JSON bodies are checked once, where they are parsed: relay.http.parse_json_objec
 import logging
 import tempfile
 import time
+from typing import Protocol
 
 import uuid6
 from django.conf import settings
@@ -48,9 +50,30 @@ log = logging.getLogger("relay.edge")
 
 _CHUNK = 64 * 1024
 _SPOOL_MEMORY = 1024 * 1024
-# Multipart framing and the small form fields around an upload's file part.
-_MULTIPART_OVERHEAD = 1024 * 1024
-_OPENAI_SURFACE = ("/v1/batches", "/v1/files", "/openai/v1/batches", "/openai/v1/files")
+
+
+class Routes(Protocol):
+    """What an app above the edge tells it about the routes it serves, so that the edge names none of them
+    (the batches app registers each batch surface: batches/surfaces/registry.py). Each answers None for a
+    path that is not its own."""
+
+    def edge_error(self, path: str, status: int, code: str, message: str, param: str | None) -> RelayError | None:
+        """A refusal in the envelope of its routes."""
+
+    def edge_body_limit(self, path: str) -> int | None:
+        """The body limit of its routes that have their own."""
+
+    def edge_too_large(self, path: str, method: str, limit: int) -> RelayError | None:
+        """Its own answer to a body over the limit, where it is not the envelope's 413."""
+
+
+_ROUTES: list[Routes] = []
+
+
+def register_routes(routes: Routes) -> None:
+    """Called by an app's ready(); registering the same object again is a no-op."""
+    if routes not in _ROUTES:
+        _ROUTES.append(routes)
 
 
 _REASONS = {
@@ -75,16 +98,15 @@ def is_api_path(path: str) -> bool:
 def error_response(request, status: int, code: str, message: str, *, param: str | None = None) -> HttpResponse:
     """An error in the envelope of the surface the path belongs to."""
     path = getattr(request, "path", "") or ""
-    if path.startswith(_OPENAI_SURFACE):
-        from batches.errors import OpenAIError
-
-        err = OpenAIError(status, code, message, param=param)
-    elif is_anthropic_path(path):  # every Anthropic route, live and batch
-        # The relay's code beside Anthropic's type on the live routes; the batch routes keep Anthropic's shape.
-        live = "/messages/batches" not in path
-        err = AnthropicError(status, f"{param}: {message}" if param else message, code=code if live else "")
+    for routes in _ROUTES:
+        err = routes.edge_error(path, status, code, message, param)
+        if err is not None:
+            break
     else:
-        err = RelayError(status, code, message, param=param)
+        if is_anthropic_path(path):  # the live Anthropic routes: the relay's code beside Anthropic's type
+            err = AnthropicError(status, f"{param}: {message}" if param else message, code=code)
+        else:
+            err = RelayError(status, code, message, param=param)
     return _finish(request, err.response())
 
 
@@ -120,8 +142,10 @@ def _bad_text(text: str) -> str | None:
 
 
 def body_limit(path: str) -> int:
-    if path.rstrip("/") in ("/v1/files", "/openai/v1/files"):
-        return settings.RELAY_MAX_UPLOAD_BYTES + _MULTIPART_OVERHEAD
+    for routes in _ROUTES:
+        limit = routes.edge_body_limit(path)
+        if limit is not None:
+            return limit
     return settings.RELAY_MAX_REQUEST_BYTES
 
 
@@ -306,15 +330,10 @@ class EdgeMiddleware:
 
 
 def _too_large(request, limit: int) -> HttpResponse:
-    path = request.path.rstrip("/")
-    if path in ("/v1/batches", "/openai/v1/batches") and request.method == "POST":
-        # A batch body over the limit is a 400 (the native contract's, decision 0003), refused before a
-        # byte is read; the Anthropic surface answers its own 413 (its path is not this one).
-        return error_response(request, 400, "request_too_large", f"request body exceeds {limit} bytes")
-    if path in ("/v1/files", "/openai/v1/files"):  # the upload's own answer (batches.surfaces.openai.files.too_large)
-        from batches.surfaces.openai.files import too_large
-
-        return _finish(request, too_large(settings.RELAY_MAX_UPLOAD_BYTES).response())
+    for routes in _ROUTES:
+        err = routes.edge_too_large(request.path, request.method, limit)
+        if err is not None:
+            return _finish(request, err.response())
     return error_response(request, 413, "request_too_large", f"request body exceeds {limit} bytes")
 
 

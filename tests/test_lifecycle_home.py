@@ -86,12 +86,15 @@ LAYERS = {
     "batches.lifecycle.states": {"batches.models", "batches.outcomes"},
     "batches.lifecycle.sql": {"batches.models", "batches.lifecycle.states"},
     "batches.dispatch": {"batches.models", "batches.queues", "batches.lifecycle.states"},
+    # The surface registry: a leaf the lifecycle reads and each surface package fills (decision 0019).
+    "batches.surfaces.registry": {"batches.models"},
     "batches.lifecycle.stop": {
         "batches.models",
         "batches.outcomes",
         "batches.errors",
         "batches.dispatch",
         "batches.lifecycle.states",
+        "batches.surfaces.registry",
     },
     "batches.lifecycle.finish": {
         "batches.models",

@@ -6,17 +6,15 @@ included, is in Anthropic's envelope. `anthropic-version` (and `anthropic-beta`)
 are accepted and not required: the surface speaks the 2023-06-01 version.
 """
 
-from django.http import JsonResponse, StreamingHttpResponse
-from rest_framework.exceptions import APIException
+from django.http import StreamingHttpResponse
 from rest_framework.views import APIView
 
-from batches import errors, intake
-from batches.api.views import _AnyAccept
-from batches.surfaces import retry
-from batches.surfaces.anthropic import create as anthropic_create
+from batches import intake
+from batches.api.views import _AnyAccept, answer, answer_with_status
+from batches.models import Surface
+from batches.surfaces import common, registry, retry
 from batches.surfaces.anthropic import read as anthropic_read
 from relay.api.authentication import RelayCredentialAuthentication
-from relay.errors import RelayError
 
 
 class _AnthropicView(APIView):
@@ -26,14 +24,14 @@ class _AnthropicView(APIView):
 
     def initial(self, request, *args, **kwargs):
         super().initial(request, *args, **kwargs)  # authenticates: request.user is the Principal
-        anthropic_create.check_access(request.user)
+        common.check_access(request.user)
+
+    @property
+    def surface(self):
+        return registry.get(Surface.ANTHROPIC)
 
     def handle_exception(self, exc):
-        if isinstance(exc, RelayError):
-            exc = errors.AnthropicError.of(exc)
-        elif isinstance(exc, APIException):  # DRF's own, e.g. 405 for a method this route lacks
-            exc = errors.AnthropicError(exc.status_code, str(exc.detail))
-        return super().handle_exception(exc)
+        return super().handle_exception(self.surface.envelope(exc))
 
     def base_url(self, request) -> str:
         """Where the caller reached this surface (with or without the /anthropic prefix), for results_url."""
@@ -44,29 +42,26 @@ class _AnthropicView(APIView):
 class MessageBatchListView(_AnthropicView):
     def post(self, request):
         with intake.read(request._request) as submission:
-            batch = anthropic_read.as_created(anthropic_create.create(request.user, submission))
-        return JsonResponse(anthropic_read.serialize(batch, self.base_url(request)))
+            batch = self.surface.create(request.user, submission)
+        return answer_with_status(self.surface.answer_created(batch, self.base_url(request)))
 
     def get(self, request):
-        rows, has_more = anthropic_read.batches_page(request.user, request.GET)
-        return JsonResponse(anthropic_read.page(rows, has_more, self.base_url(request)))
+        return answer(self.surface.answer_page(request.user, request.GET, self.base_url(request)))
 
 
 class MessageBatchDetailView(_AnthropicView):
     def get(self, request, batch_id):
-        batch = anthropic_read.batch_for_owner(batch_id, request.user, counts=True)
-        return JsonResponse(anthropic_read.serialize(batch, self.base_url(request)))
+        return answer(self.surface.answer_detail(batch_id, request.user, self.base_url(request)))
 
     def delete(self, request, batch_id):
-        batch = anthropic_read.batch_for_owner(batch_id, request.user)
+        batch = self.surface.find(batch_id, request.user)
         anthropic_read.delete(batch)
-        return JsonResponse({"id": batch.public_id, "type": "message_batch_deleted"})
+        return answer({"id": batch.public_id, "type": "message_batch_deleted"})
 
 
 class MessageBatchCancelView(_AnthropicView):
     def post(self, request, batch_id):
-        batch = anthropic_read.cancel(anthropic_read.batch_for_owner(batch_id, request.user))
-        return JsonResponse(anthropic_read.serialize(batch, self.base_url(request)))
+        return answer(self.surface.answer_cancel(batch_id, request.user, self.base_url(request)))
 
 
 class MessageBatchRetryFailedView(_AnthropicView):
@@ -74,14 +69,13 @@ class MessageBatchRetryFailedView(_AnthropicView):
     (docs/api/anthropic.md, "Re-run what failed")."""
 
     def post(self, request, batch_id):
-        parent = anthropic_read.batch_for_owner(batch_id, request.user)
-        batch = anthropic_read.as_created(retry.retry_failed(parent, request.user).batch)
-        return JsonResponse(anthropic_read.serialize(batch, self.base_url(request)))
+        retried = retry.retry_failed(self.surface.find(batch_id, request.user), request.user)
+        return answer_with_status(self.surface.answer_retried(retried, self.base_url(request)))
 
 
 class MessageBatchResultsView(_AnthropicView):
     def get(self, request, batch_id):
-        batch = anthropic_read.batch_for_owner(batch_id, request.user)
+        batch = self.surface.find(batch_id, request.user)
         anthropic_read.check_results(batch)  # still processing (400) or archived by retention (404)
         response = StreamingHttpResponse(anthropic_read.iter_results(batch), content_type="application/binary")
         response["Content-Disposition"] = f'attachment; filename="{batch.public_id}_results.jsonl"'

@@ -1,33 +1,28 @@
 """Batch and file endpoints. Thin: authenticate, call one service or selector, answer.
 
-`/v1/batches` serves both surfaces (decision 0002). POST tells them apart by the
-body (batches.intake); the other routes by the id: a native batch is addressed
-by its UUID, an OpenAI-surface batch by `batch_<hex>`. Each surface answers
-errors in its own envelope; before the body has said which surface it speaks,
-POST answers in OpenAI's, which carries every field of the native one.
+`/v1/batches` serves two surfaces (decision 0002), each an object of batches/surfaces/registry.py that
+these views look up and never name a branch for. POST tells them apart by the body (batches.intake); the
+other routes by the id: a native batch is addressed by its UUID, an OpenAI-surface batch by `batch_<hex>`.
+Each surface answers errors in its own envelope; before the body has said which surface it speaks, POST
+answers in OpenAI's, which carries every field of the native one.
 """
 
 import itertools
 
 from django.http import JsonResponse, StreamingHttpResponse
 from django.utils.http import content_disposition_header
-from rest_framework.exceptions import APIException
 from rest_framework.negotiation import BaseContentNegotiation
 from rest_framework.permissions import BasePermission
 from rest_framework.views import APIView
 
 from batches import intake, storage
-from batches.errors import OpenAIError, invalid
-from batches.lifecycle import stop
+from batches.errors import OpenAIError
 from batches.models import Batch, Surface
-from batches.surfaces import retry
-from batches.surfaces.native import read as native_read
-from batches.surfaces.native import submit
-from batches.surfaces.openai import create as openai_create
+from batches.surfaces import common, registry, retry
 from batches.surfaces.openai import files, serialize
 from batches.surfaces.openai import read as openai_read
 from relay.api.authentication import RelayCredentialAuthentication
-from relay.errors import RelayError, clipped
+from relay.errors import clipped
 
 
 class _AnyAccept(BaseContentNegotiation):
@@ -42,13 +37,25 @@ class _AnyAccept(BaseContentNegotiation):
 
 
 class OpenAIBatchAccess(BasePermission):
-    """The OpenAI surface's Batch and Files API needs the credential's policy to grant batch access
-    (404 otherwise, as OpenAI answers an organization without it). Native batches are not gated."""
+    """The Batch and Files API needs the credential's policy to grant batch access (404 otherwise, as OpenAI
+    answers an organization without it), on the surfaces gated so (`gated`: native batches are not)."""
 
     def has_permission(self, request, view):
-        if view.openai_errors and request.method in view.access_checked_methods:
-            openai_create.check_access(request.user)
+        if view.gated and request.method in view.access_checked_methods:
+            common.check_access(request.user)
         return True
+
+
+def answer(body, status: int = 200):
+    """A surface's answer: a dict as JSON, an iterator of bytes streamed as JSON."""
+    if isinstance(body, dict):
+        return JsonResponse(body, status=status)
+    return StreamingHttpResponse(body, content_type="application/json", status=status)
+
+
+def answer_with_status(status_and_body: tuple[int, dict]):
+    status, body = status_and_body
+    return answer(body, status)
 
 
 class _SurfaceView(APIView):
@@ -60,26 +67,36 @@ class _SurfaceView(APIView):
     content_negotiation_class = _AnyAccept
     authentication_classes = [RelayCredentialAuthentication]
     permission_classes = [OpenAIBatchAccess]
-    openai_errors = True  # per request: which surface's envelope answers
+    # The surfaces this route serves, the one an id in no other's form belongs to last (a native batch is
+    # addressed by its UUID), and the one that answers before an id or a body has said which.
+    served = (Surface.OPENAI, Surface.NATIVE)
+    before_known = Surface.OPENAI
     access_checked_methods = ("GET", "POST", "DELETE")
 
     def initial(self, request, *args, **kwargs):
-        # Decided before authentication, so even a 401 comes in the surface's own envelope: a native
-        # batch is addressed by its UUID, an OpenAI one by batch_<hex>.
-        self.openai_errors = self.answers_as_openai(kwargs)
+        # Decided before authentication, so even a 401 comes in the surface's own envelope.
+        self.speak(self.surface_of(kwargs))
         super().initial(request, *args, **kwargs)
 
-    def answers_as_openai(self, kwargs) -> bool:
+    def speak(self, name: str) -> None:
+        """From now on, answer as the surface `name`."""
+        self.surface = registry.get(name)
+        self.gated = self.surface.access_gated
+
+    def surface_of(self, kwargs) -> str:
         batch_id = kwargs.get("batch_id")
-        return openai_read.is_openai_batch_id(batch_id) if batch_id is not None else True
+        if batch_id is None:
+            return self.before_known
+        surfaces = [registry.get(name) for name in self.served]
+        return next((s.name for s in surfaces if s.claims_id(batch_id)), self.served[-1])
 
     def handle_exception(self, exc):
-        if self.openai_errors:
-            if isinstance(exc, RelayError):
-                exc = OpenAIError.of(exc)
-            elif isinstance(exc, APIException):  # DRF's own, e.g. 405 for a method this route lacks
-                exc = OpenAIError(exc.status_code, exc.default_code, str(exc.detail))
-        return super().handle_exception(exc)
+        if not hasattr(self, "surface"):  # failed before initial(): answer as the route does before it knows
+            self.speak(self.before_known)
+        return super().handle_exception(self.surface.envelope(exc))
+
+    def base_url(self, request) -> str:
+        return request.build_absolute_uri("/v1/batches/")
 
 
 # --- batches -------------------------------------------------------------------------------------
@@ -89,60 +106,35 @@ class BatchListView(_SurfaceView):
     access_checked_methods = ("GET",)  # create checks it once the body has said which surface it is
 
     def post(self, request):
-        read = intake.receive(request._request, request.user, on_native=self._answer_as_native)
+        read = intake.receive(request._request, request.user, on_native=lambda: self.speak(Surface.NATIVE))
         if isinstance(read, Batch):  # native, stored as its body was read
-            return self._queued(read)
+            return answer_with_status(registry.get(read.surface).answer_created(read, self.base_url(request)))
         with read as submission:
-            if intake.surface_of(submission.top) == Surface.NATIVE:
-                self._answer_as_native()
-                return self._queued(submit.store_native(request.user, submission))
-            batch = openai_create.create(
+            self.speak(intake.surface_of(submission.top))
+            batch = self.surface.create(
                 request.user, submission, idempotency_key=request.headers.get("Idempotency-Key", "").strip()
             )
-        return JsonResponse(serialize.batch(batch))
-
-    def _answer_as_native(self) -> None:
-        self.openai_errors = False
-
-    @staticmethod
-    def _queued(batch: Batch) -> JsonResponse:
-        return JsonResponse({"id": str(batch.id), "status": "queued", "total_items": batch.total_items}, status=202)
+        return answer_with_status(self.surface.answer_created(batch, self.base_url(request)))
 
     def get(self, request):
-        params = request.GET
-        rows, has_more = openai_read.openai_batches_page(request.user, params.get("after"), params.get("limit"))
-        return JsonResponse(serialize.page(rows, serialize.batch, has_more))
+        return answer(self.surface.answer_page(request.user, request.GET, self.base_url(request)))
 
 
 class BatchDetailView(_SurfaceView):
     def get(self, request, batch_id):
-        if not self.openai_errors:
-            batch = native_read.batch_for_owner(batch_id, request.user)
-            return StreamingHttpResponse(native_read.iter_status_json(batch), content_type="application/json")
-        batch = openai_read.openai_batch_for_owner(batch_id, request.user, progress=True)
-        return JsonResponse(serialize.batch(batch))
+        return answer(self.surface.answer_detail(batch_id, request.user, self.base_url(request)))
 
 
 class BatchResultsView(_SurfaceView):
-    def answers_as_openai(self, kwargs) -> bool:
-        return False  # native only: OpenAI-surface results are files
+    served = (Surface.NATIVE,)  # OpenAI-surface results are files
 
     def get(self, request, batch_id):
-        batch = native_read.batch_for_owner(batch_id, request.user)
-        return StreamingHttpResponse(native_read.iter_results_json(batch), content_type="application/json")
+        return answer(self.surface.answer_results(batch_id, request.user))
 
 
 class BatchCancelView(_SurfaceView):
     def post(self, request, batch_id):
-        if not self.openai_errors:
-            batch = native_read.batch_for_owner(batch_id, request.user)
-            stop.cancel(batch)
-            batch.refresh_from_db(fields=["status"])  # a finished batch keeps (and answers) its own status
-            return JsonResponse({"status": batch.status})
-        batch = openai_read.openai_batch_for_owner(batch_id, request.user)
-        if not stop.cancel(batch):
-            raise invalid(f"Cannot cancel a batch with status '{batch.status}'.", code="batch_not_cancellable")
-        return JsonResponse(serialize.batch(batch))
+        return answer(self.surface.answer_cancel(batch_id, request.user, self.base_url(request)))
 
 
 class BatchRetryFailedView(_SurfaceView):
@@ -150,23 +142,8 @@ class BatchRetryFailedView(_SurfaceView):
     (docs/api/native.md and openai.md, "Re-run what failed")."""
 
     def post(self, request, batch_id):
-        if not self.openai_errors:
-            parent = native_read.batch_for_owner(batch_id, request.user)
-            retried = retry.retry_failed(parent, request.user)
-            batch = retried.batch
-            return JsonResponse(
-                {
-                    "id": str(batch.id),
-                    "status": "queued",
-                    "total_items": batch.total_items,
-                    "retry_of": batch.retry_of_public_id,
-                    # Item i of the new batch re-runs item parent_idx[i] of the parent.
-                    "parent_idx": retried.parent_idx,
-                },
-                status=202,
-            )
-        parent = openai_read.openai_batch_for_owner(batch_id, request.user)
-        return JsonResponse(serialize.batch(retry.retry_failed(parent, request.user).batch))
+        retried = retry.retry_failed(self.surface.find(batch_id, request.user), request.user)
+        return answer_with_status(self.surface.answer_retried(retried, self.base_url(request)))
 
 
 # --- files ----------------------------------------------------------------------------------------

@@ -1,9 +1,12 @@
 """How a batch ends: completion once no item is pending, cancel and expiry per surface, and the
-cancelled items of a batch whose cancel outran them."""
+cancelled items of a batch whose cancel outran them.
 
+The transitions of each surface are here (only the lifecycle writes a status); which one a batch takes is
+its surface object's choice (batches/surfaces/registry.py), which the loops below look up."""
+
+import functools
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
+import operator
 
 from django.db import OperationalError, connection, transaction
 from django.db.models import Exists, OuterRef, Q
@@ -14,6 +17,7 @@ from batches.errors import BatchBusy
 from batches.lifecycle.states import OPEN, OPENAI_STOPPABLE, S, St, lock, move
 from batches.models import PENDING_STATES, Batch, Item, Surface
 from batches.outcomes import Code
+from batches.surfaces import registry
 
 log = logging.getLogger(__name__)
 
@@ -65,18 +69,18 @@ def complete_if_done(batch_id) -> bool:
     if row is None:
         return True
     surface, status = row
-    SURFACES[surface].all_final(batch_id, status)
+    registry.get(surface).all_final(batch_id, status)
     return True
 
 
-def _native_all_final(batch_id, status: str) -> None:
+def native_all_final(batch_id, status: str) -> None:
     if status == S.CANCELLED:
         Batch.objects.filter(pk=batch_id, completed_at__isnull=True).update(completed_at=timezone.now())
     elif status in OPEN[Surface.NATIVE]:
         move(batch_id, Surface.NATIVE, S.COMPLETED)
 
 
-def _openai_all_final(batch_id, status: str) -> None:
+def openai_all_final(batch_id, status: str) -> None:
     if status == S.IN_PROGRESS:
         move(batch_id, Surface.OPENAI, S.FINALIZING, frm=[S.IN_PROGRESS])
         status = S.FINALIZING
@@ -87,11 +91,9 @@ def _openai_all_final(batch_id, status: str) -> None:
 def unfinished_batches(limit: int = 100) -> list:
     """Open batches whose items are all final: what `complete_if_done` missed (a crash between commit and check)."""
     pending = Item.objects.filter(batch_id=OuterRef("pk"), state__in=PENDING_STATES)
-    native = Q(surface=Surface.NATIVE, completed_at__isnull=True, status__in=[S.QUEUED, S.RUNNING, S.CANCELLED])
-    openai = Q(surface=Surface.OPENAI, status__in=[S.IN_PROGRESS, S.FINALIZING, S.CANCELLING])
-    anthropic = Q(surface=Surface.ANTHROPIC, status__in=OPEN[Surface.ANTHROPIC])
+    unfinished = [Q(s.unfinished, surface=s.name) for s in registry.all_surfaces() if s.unfinished is not None]
     return list(
-        Batch.objects.filter(native | openai | anthropic)
+        Batch.objects.filter(functools.reduce(operator.or_, unfinished))
         .filter(~Exists(pending))
         .values_list("id", "surface", "status", "finalizing_at", "cancelling_at")[:limit]
     )
@@ -214,53 +216,18 @@ def cancel_orphans() -> int:
 
 
 def cancel(batch: Batch) -> bool:
-    """Cancel a batch of any surface. Native: pending items now, running ones at their next
-    heartbeat on every replica. OpenAI: cancelling → cancelled once its partial results are written;
+    """Cancel a batch of any surface (its surface object says how). Native: pending items now, running ones at
+    their next heartbeat on every replica. OpenAI: cancelling → cancelled once its partial results are written;
     Anthropic: cancelling → cancelled once no request is running; False when it had already finished."""
-    moved = SURFACES[batch.surface].cancel(batch.pk)
-    if batch.surface == Surface.NATIVE:
-        return True
+    return registry.get(batch.surface).cancel(batch)
+
+
+def cancelled_or_cancelling(batch: Batch, moved: bool) -> bool:
+    """After a cancel that may have found the batch finished: `batch` read again; True if it moved or is
+    cancelling or cancelled already (a cancel is idempotent)."""
     batch.refresh_from_db()
     return moved or batch.status in (S.CANCELLING, S.CANCELLED)
 
-
-def _cancel_native(batch_id) -> bool:
-    cancel_native(batch_id)
-    return True
-
-
-# --- the surfaces, as the lifecycle sees them ---------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SurfaceRules:
-    """What a batch surface means to the lifecycle: when its window closes (`expirable`: its batches that
-    may still expire; `expire`: close one), what happens once every item is final (`all_final`), and
-    how a cancel starts. The completion check, the sweeper's expiry and cancel loop over these; a new
-    surface is one more entry."""
-
-    all_final: Callable[[object, str], None]
-    cancel: Callable[[object], bool]
-    expirable: Q | None = None
-    expire: Callable[[object, object], bool] | None = None
-
-
-SURFACES = {
-    Surface.NATIVE: SurfaceRules(all_final=_native_all_final, cancel=_cancel_native),
-    Surface.OPENAI: SurfaceRules(
-        all_final=_openai_all_final,
-        cancel=cancel_openai,
-        expirable=Q(status__in=OPENAI_STOPPABLE),
-        expire=expire_openai,
-    ),
-    Surface.ANTHROPIC: SurfaceRules(
-        all_final=end_anthropic,
-        cancel=cancel_anthropic,
-        expirable=Q(status=S.IN_PROGRESS, expired_at__isnull=True),
-        expire=expire_anthropic,
-    ),
-}
-assert set(SURFACES) == set(Surface.values)
 
 # Batches closed per surface per sweep: the rest wait for the next one.
 EXPIRE_PER_SWEEP = 100
@@ -269,11 +236,11 @@ EXPIRE_PER_SWEEP = 100
 def expire_due(now) -> int:
     """Close the window of every open batch past its `expires_at`, surface by surface."""
     closed = 0
-    for surface, rules in SURFACES.items():
-        if rules.expire is None:
+    for surface in registry.all_surfaces():
+        if surface.expirable is None:
             continue
-        due = Batch.objects.filter(rules.expirable, surface=surface, expires_at__lte=now)
-        closed += sum(rules.expire(batch_id, now) for batch_id in due.values_list("id", flat=True)[:EXPIRE_PER_SWEEP])
+        due = Batch.objects.filter(surface.expirable, surface=surface.name, expires_at__lte=now)
+        closed += sum(surface.expire(batch_id, now) for batch_id in due.values_list("id", flat=True)[:EXPIRE_PER_SWEEP])
     return closed
 
 
@@ -281,10 +248,10 @@ def expiring(until, limit: int = EXPIRE_PER_SWEEP) -> list:
     """(id, expires_at) of the open batches whose window closes by `until`, surface by surface: what the
     sweeper schedules an expiry for, at the moment each window closes (batches/sweeper.py)."""
     found = []
-    for surface, rules in SURFACES.items():
-        if rules.expire is None:
+    for surface in registry.all_surfaces():
+        if surface.expirable is None:
             continue
-        due = Batch.objects.filter(rules.expirable, surface=surface, expires_at__lte=until)
+        due = Batch.objects.filter(surface.expirable, surface=surface.name, expires_at__lte=until)
         found += list(due.values_list("id", "expires_at")[:limit])
     return found
 
@@ -296,12 +263,12 @@ def expire_one(batch_id, now):
     row = Batch.objects.filter(pk=batch_id).values_list("surface", "expires_at").first()
     if row is None:
         return None
-    surface, expires_at = row
-    rules = SURFACES[surface]
-    if rules.expire is None or expires_at is None:
+    name, expires_at = row
+    surface = registry.get(name)
+    if surface.expirable is None or expires_at is None:
         return None
-    if not Batch.objects.filter(rules.expirable, pk=batch_id, surface=surface).exists():
+    if not Batch.objects.filter(surface.expirable, pk=batch_id, surface=name).exists():
         return None
     if expires_at > now:
         return expires_at
-    return rules.expire(batch_id, now) or None
+    return surface.expire(batch_id, now) or None

@@ -1,5 +1,5 @@
-"""What the three batch surfaces share at their edges, written once: the owner's batches of a
-surface, the `limit` of a list, the final items of a batch counted per kind, its items read a page
+"""What the three batch surfaces share at their edges, written once: the batch-access gate, the owner's
+batches of a surface, the `limit` of a list, the final items of a batch counted per kind, its items read a page
 at a time for results, a failure's message without the relay's prefixes, the waiting and
 retrying that the OpenAI and Anthropic surfaces apply to every batch, and a batch's retries
 (`retry_of` / `retried_by`, batches/surfaces/retry.py)."""
@@ -13,8 +13,10 @@ from django.conf import settings
 from django.db.models import Count, Field, IntegerField, OuterRef, Q, Subquery, Sum
 
 from batches import storage
+from batches.errors import no_batch_access
 from batches.models import Batch, Item, ItemState
 from batches.provider.models import JobStatus, ProviderJob
+from policies.models import Policy
 from relay.auth import Principal
 from relay.errors import RelayError, quoted
 from relay.http import ascii_int
@@ -26,6 +28,16 @@ RESULT_PAGE = 1000
 RESULT_FIELDS = ("id", "idx", "custom_id", "state", "result_ref", "status_code", "error", "error_code", "error_body")
 # What the worker puts in front of an item's failure message (batches/worker/execute.py).
 _FAILURE_PREFIXES = ("batch item: ", "batch: ")
+
+
+def check_access(principal: Principal) -> None:
+    """404 unless the credential's policy grants batch access (OpenAI: 404 without Batch API access); raised
+    in OpenAI's envelope, which each surface's view re-shapes into its own."""
+    policy = (
+        Policy.objects.filter(pk=principal.policy_id).only("batch_enabled").first() if principal.policy_id else None
+    )
+    if policy is None or not policy.batch_enabled:
+        raise no_batch_access()
 
 
 def owned(principal: Principal, surface: str):
@@ -51,6 +63,12 @@ def parse_limit(raw: str | None, *, default: int, maximum: int, refuse: Callable
             "integer_above_max_value",
         )
     return limit
+
+
+def counts(batch: Batch) -> dict:
+    """How many of the batch's items are in each state."""
+    rows = Item.objects.filter(batch=batch).values_list("state").annotate(n=Count("id")).order_by()
+    return {state: n for state, n in rows}
 
 
 def count_items(qs, kinds: dict[str, Q]):

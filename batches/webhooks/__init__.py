@@ -5,7 +5,7 @@ own, never the control worker.
 Rooms, bottom up (a module imports only those below it):
 
     models.py      endpoints, events, deliveries (with their lease), attempts
-    events.py      the event types and bodies per surface                      (models, batches.models)
+    events.py      the event types and bodies per surface                      (batches.surfaces.registry)
     signing.py     secrets and Standard Webhooks signatures                    (stdlib)
     guard.py       where a delivery may go: the SSRF guard of tool executors   (batches.tools.netguard)
     outbox.py      the event rows written inside a batch's final move; wake    (models, events, relay.redis)

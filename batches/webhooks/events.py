@@ -13,51 +13,37 @@ the same bytes.
 import json
 import uuid
 
-from batches.models import BatchStatus, Surface
+from batches.surfaces import registry
 
-S = BatchStatus
-
-# What each surface's final statuses raise.
-EVENT_TYPE = {
-    Surface.OPENAI: {
-        S.COMPLETED: "batch.completed",
-        S.FAILED: "batch.failed",
-        S.EXPIRED: "batch.expired",
-        S.CANCELLED: "batch.cancelled",
-    },
-    Surface.ANTHROPIC: {
-        S.COMPLETED: "message_batch.ended",
-        S.EXPIRED: "message_batch.ended",
-        S.CANCELLED: "message_batch.ended",
-    },
-    Surface.NATIVE: {S.COMPLETED: "batch.completed", S.CANCELLED: "batch.cancelled"},
-}
-# Every type the relay emits, in the order GET /v1/webhook_event_types lists them.
+# Every type the relay emits, in the order GET /v1/webhook_event_types lists them. Which final status raises
+# which type is each surface object's `events` (batches/surfaces/registry.py); tests/test_surface_registry.py
+# checks that this list names every one of them.
 EVENT_TYPES = ("batch.completed", "batch.failed", "batch.expired", "batch.cancelled", "message_batch.ended")
-assert {t for table in EVENT_TYPE.values() for t in table.values()} == set(EVENT_TYPES)
+
+
+def event_type(surface: str, status: str) -> str | None:
+    """The type a batch of `surface` raises when it ends in `status`; None: that end raises no event."""
+    return registry.get(surface).events.get(status)
+
+
+def waits_for_batch(surface: str, status: str) -> bool:
+    """Whether the event is sent only once the batch is done (a native cancel: its running items stop later)."""
+    return registry.get(surface).event_waits_for_batch(status)
 
 
 def public_batch_id(surface: str, batch_id: uuid.UUID) -> str:
     """The id the batch's surface shows (as Batch.public_id): batch_<hex>, msgbatch_<hex> or the UUID."""
-    if surface == Surface.OPENAI:
-        return f"batch_{batch_id.hex}"
-    if surface == Surface.ANTHROPIC:
-        return f"msgbatch_{batch_id.hex}"
-    return str(batch_id)
+    return registry.get(surface).public_id(batch_id)
 
 
 def data(surface: str, batch_id: uuid.UUID) -> dict:
-    if surface == Surface.ANTHROPIC:
-        return {"id": public_batch_id(surface, batch_id), "processing_status": "ended"}
-    return {"id": public_batch_id(surface, batch_id)}
+    return registry.get(surface).event_data(batch_id)
 
 
 def sample_data(event_type: str) -> dict:
-    """The `data` of a test event (POST …/test): a made-up batch id of the type's surface."""
-    fake = uuid.uuid4()
-    if event_type == "message_batch.ended":
-        return data(Surface.ANTHROPIC, fake)
-    return data(Surface.OPENAI, fake)
+    """The `data` of a test event (POST …/test): a made-up batch id of the surface whose own type it is."""
+    surface = next(s for s in registry.all_surfaces() if event_type in s.sample_events)
+    return surface.event_data(uuid.uuid4())
 
 
 def body(event_id: uuid.UUID, event_type: str, created_at, payload: dict) -> str:

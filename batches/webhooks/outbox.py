@@ -12,7 +12,7 @@ import uuid6
 from django.db import transaction
 from django.utils import timezone
 
-from batches.models import Batch, BatchStatus, Surface
+from batches.models import Batch
 from batches.webhooks import events
 from batches.webhooks.models import Delivery, Event, WebhookEndpoint
 from relay.redis import get_redis
@@ -30,7 +30,7 @@ def record_batch_end(batch_id, surface: str, status: str):
     move stays one statement), else the writer the move runs inside its transaction: the event, with a
     delivery for each subscribed endpoint (paused ones too: they keep it for when they are resumed). An
     endpoint created between this look-up and the move (one statement later) gets the batches that end after."""
-    event_type = events.EVENT_TYPE[surface].get(status)
+    event_type = events.event_type(surface, status)
     if event_type is None:
         return None
     owner = Batch.objects.filter(pk=batch_id).values("owner_hash")[:1]
@@ -56,8 +56,7 @@ def _write(batch_id, surface: str, status: str, event_type: str, endpoints: list
         created_at=now,
         batch_id=batch_id,
         body=events.body(event_id, event_type, now, events.data(surface, batch_id)),
-        # A native cancel: its running items stop at their next heartbeat; sent once the batch is done.
-        waits_for_batch=surface == Surface.NATIVE and status == BatchStatus.CANCELLED,
+        waits_for_batch=events.waits_for_batch(surface, status),
     )
     deliveries = Delivery.objects.bulk_create(
         [

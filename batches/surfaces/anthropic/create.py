@@ -31,18 +31,12 @@ from batches.errors import invalid_anthropic as invalid
 from batches.models import Batch, BatchStatus, Shape, Surface
 from batches.provider import jobs, placement
 from batches.surfaces import common
-from batches.surfaces.openai import create as openai_create
 from relay.auth import Principal
 from relay.errors import clipped
 
 # Anthropic's rule for a request's custom_id, matched in full (with `$`, "abc\n" passed).
 CUSTOM_ID = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 REQUEST_KEYS = {"custom_id", "params"}
-
-
-def check_access(principal: Principal) -> None:
-    """404 unless the credential's policy grants batch access (the OpenAI surface's rule, Anthropic's envelope)."""
-    openai_create.check_access(principal)
 
 
 # --- create -------------------------------------------------------------------------------------
@@ -57,7 +51,7 @@ def create(principal: Principal, submission: ingest.Submission, *, retry_of: Bat
     discount (RELAY_BATCH_DISCOUNT_PERCENT, fixed on the batch). `retry_of`: the
     batch whose failed requests this one re-runs (batches/surfaces/retry.py).
     """
-    check_access(principal)
+    common.check_access(principal)
     top = submission.top
     unknown = sorted(set(top) - {"requests"})
     if unknown:

@@ -7,7 +7,6 @@ import uuid
 from collections.abc import Iterator
 
 from django.db import connection
-from django.db.models import Count
 
 from batches import storage
 from batches.models import Attempt, Batch, Item, ItemState, Surface
@@ -39,11 +38,6 @@ def batch_for_owner(batch_id: str, principal: Principal) -> Batch:
     return batch
 
 
-def counts(batch: Batch) -> dict:
-    rows = Item.objects.filter(batch=batch).values_list("state").annotate(n=Count("id")).order_by()
-    return {state: n for state, n in rows}
-
-
 def status_head(batch: Batch) -> dict:
     """The spec's status object without its `items` list."""
     return {
@@ -61,7 +55,7 @@ def status_head(batch: Batch) -> dict:
         "PrincipalID": str(batch.principal_id),
         "CredentialKind": batch.credential_kind,
         "CredentialID": batch.credential_id,
-        "counts": counts(batch),
+        "counts": common.counts(batch),
         # The batch's opt-in to waiting and retrying, as submitted; null keeps the native contract's
         # fail-at-once (decision 0003).
         "retry": (

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible batch surface (decision 0005): access, create, and the sweeper's look-ups.
+"""The OpenAI-compatible batch surface (decision 0005): create, and the sweeper's look-ups.
 
 Same Batch and Item rows and the same execution path as the native surface
 (batches/worker/: claim, run, finish, heartbeat; batches/sweeper.py). This module
@@ -19,11 +19,11 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from batches import dispatch, ingest, retention, storage
-from batches.errors import OpenAIError, invalid, missing, no_batch_access
+from batches.errors import OpenAIError, invalid, missing
 from batches.models import Batch, BatchStatus, Endpoint, File, FilePurpose, Shape, Surface
+from batches.surfaces import common
 from batches.surfaces.openai import read as openai_read
 from batches.surfaces.openai.files import write_file
-from policies.models import Policy
 from relay.auth import Principal
 from relay.errors import clipped, quoted
 
@@ -52,18 +52,6 @@ MODEL_HINT_MAX = 200
 IDEMPOTENCY_KEY_MAX = 255
 
 
-# --- access -----------------------------------------------------------------------------------
-
-
-def check_access(principal: Principal) -> None:
-    """404 unless the credential's policy grants batch access (OpenAI: 404 without Batch API access)."""
-    policy = (
-        Policy.objects.filter(pk=principal.policy_id).only("batch_enabled").first() if principal.policy_id else None
-    )
-    if policy is None or not policy.batch_enabled:
-        raise no_batch_access()
-
-
 # --- create -----------------------------------------------------------------------------------
 
 
@@ -78,7 +66,7 @@ def create(
     same key and body from the same owner return the first batch. `retry_of`: the
     batch whose failed records this one re-runs (batches/surfaces/retry.py).
     """
-    check_access(principal)
+    common.check_access(principal)
     params = _create_params(submission)
     if len(idempotency_key) > IDEMPOTENCY_KEY_MAX:
         raise invalid(f"Idempotency-Key must be at most {IDEMPOTENCY_KEY_MAX} characters.", code="invalid_request")

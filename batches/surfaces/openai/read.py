@@ -11,7 +11,6 @@ from django.utils import timezone
 from batches.errors import invalid, not_found
 from batches.models import Batch, File, FilePurpose, ItemState, Surface
 from batches.surfaces import common
-from batches.surfaces.native.read import counts
 from relay.auth import Principal
 from relay.dbfunctions import UUIDText
 from relay.errors import clipped, quoted
@@ -117,7 +116,7 @@ def request_counts(batch: Batch) -> dict:
         states = {state: getattr(batch, f"n_{state}") or 0 for state in _COUNTED}
         done, failed = common.provider_progress(batch)  # a provider job's records finished, not yet written
     else:
-        states = counts(batch)
+        states = common.counts(batch)
         done, failed = common.provider_progress(batch)
     return {
         "total": batch.total_items,

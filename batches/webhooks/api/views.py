@@ -22,7 +22,7 @@ class _WebhookView(APIView):
     content_negotiation_class = _AnyAccept
     authentication_classes = [RelayCredentialAuthentication]
     permission_classes = [OpenAIBatchAccess]  # the batch API's own gate: its policy must grant batch access
-    openai_errors = True
+    gated = True  # OpenAIBatchAccess checks it
     access_checked_methods = ("GET", "POST", "DELETE")
 
     def handle_exception(self, exc):
