@@ -180,7 +180,11 @@ def operations(resp, json_body, errors) -> dict:
         (one + "/resume", "post"): {
             "summary": "Resume a paused endpoint: what waited is sent now",
             "tags": tags,
-            "responses": {"200": resp("the endpoint", "WebhookEndpoint"), **errors},
+            "responses": {
+                "200": resp("the endpoint", "WebhookEndpoint"),
+                "409": resp("paused by the relay's operator: only the operator can resume it", "OpenAIError"),
+                **errors,
+            },
         },
         (one + "/deliveries/{delivery_id}", "get"): {
             "summary": "One delivery, with its latest attempts",

@@ -191,6 +191,20 @@ def test_an_endpoint_failing_long_enough_is_paused_its_owner_sees_why_and_resume
     assert WebhookEndpoint.objects.get().consecutive_failures == 0
 
 
+@pytest.mark.django_db
+def test_an_endpoint_an_operator_paused_is_resumed_by_the_operator_never_by_its_owner(catalog, settings):
+    settings.RELAY_WEBHOOK_ALLOWED_HOSTS = ["127.0.0.1"]
+    endpoint = endpoint_of(catalog.key, "http://127.0.0.1:9/x")
+    (waiting,) = due(endpoint, 1)
+    services.pause(endpoint)
+    refused = api("post", f"/v1/webhook_endpoints/{endpoint.public_id}/resume", catalog.key)
+    assert refused.status_code == 409
+    assert refused.json()["error"]["code"] == "endpoint_paused_by_operator"
+    assert WebhookEndpoint.objects.get().paused_at is not None and lane.pick(100, 0) == []
+    services.resume(WebhookEndpoint.objects.get())  # the admin's action
+    assert WebhookEndpoint.objects.get().paused_by_operator is False and lane.pick(100, 0) == [waiting]
+
+
 def test_a_hung_dns_look_up_ends_at_its_own_timeout(settings, monkeypatch):
     settings.RELAY_WEBHOOK_ALLOWED_HOSTS = []
     settings.RELAY_WEBHOOK_DNS_TIMEOUT_SECONDS = 0.2
@@ -245,6 +259,28 @@ def test_retention_prunes_old_delivered_and_failed_deliveries_never_pending_ones
     settings.RELAY_WEBHOOK_RETENTION_SECONDS = 0  # keep everything
     Delivery.objects.filter(pk=new_ok).update(last_attempt_at=long_ago)
     assert deliveries.prune(now) == 0
+
+
+@pytest.mark.django_db
+def test_a_paused_endpoints_backlog_is_kept_for_its_resume_but_not_past_retention(catalog, settings):
+    settings.RELAY_WEBHOOK_ALLOWED_HOSTS = ["127.0.0.1"]
+    settings.RELAY_WEBHOOK_RETENTION_SECONDS = 3600
+    paused, live = (
+        endpoint_of(catalog.key, "http://127.0.0.1:9/p", "p"),
+        endpoint_of(catalog.key, "http://127.0.0.1:9/l"),
+    )
+    WebhookEndpoint.objects.filter(pk=paused.pk).update(paused_at=timezone.now(), paused_reason="test")
+    old, recent = due(paused, 2)
+    theirs = due(live, 1)
+    now = timezone.now()
+    Delivery.objects.filter(pk__in=[old, *theirs]).update(schedule_from=now - timedelta(hours=2))
+    assert lane.pick(100, 0) == theirs  # the paused endpoint's deliveries are never picked
+    deliveries.prune(now)
+    states = dict(Delivery.objects.values_list("id", "outcome"))
+    # Past retention on a paused endpoint: failed (pruned a retention later); the recent one waits for a resume;
+    # a live endpoint's pending delivery is never touched, however old.
+    assert states == {old: "failed", recent: "pending", theirs[0]: "pending"}
+    assert Delivery.objects.get(pk=old).last_error == "the endpoint stayed paused past retention"
 
 
 # --- end to end: a tenant's silent receivers, another tenant's batch ------------------------------------------

@@ -541,6 +541,15 @@ def prune(now) -> int:
     if not keep:
         return 0
     cutoff = now - timedelta(seconds=keep)
+    # A paused endpoint keeps its deliveries for when it is resumed, but not past retention: its owner's
+    # backlog stays bounded. They fail (and are pruned a retention later, as any settled delivery).
+    expired = Delivery.objects.filter(
+        pk__in=Delivery.objects.filter(
+            outcome=PENDING, endpoint__paused_at__isnull=False, schedule_from__lt=cutoff
+        ).values("pk")[:PRUNE_LIMIT]
+    ).update(outcome=FAILED, last_attempt_at=now, last_error="the endpoint stayed paused past retention")
+    if expired:
+        log.info("webhook retention: %d deliveries of paused endpoints failed, kept past retention", expired)
     old = list(
         Delivery.objects.exclude(outcome=PENDING)
         .filter(last_attempt_at__lt=cutoff)

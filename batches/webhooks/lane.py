@@ -61,9 +61,14 @@ _E = WebhookEndpoint._meta.db_table
 # due deliveries (as many as an endpoint may have in flight). The lease counts include every lane's.
 _PICK_SQL = f"""
 WITH due AS (
-    SELECT DISTINCT d.endpoint_id FROM {_D} d
-    WHERE d.outcome = 'pending' AND d.next_attempt_at <= %(now)s
-      AND (d.lease_expires_at IS NULL OR d.lease_expires_at < %(now)s)
+    -- Driven from the unpaused endpoints (a few per owner): a paused endpoint's waiting deliveries, however many
+    -- its owner's batches raise, are never scanned by a pick.
+    SELECT e.id AS endpoint_id FROM {_E} e
+    WHERE e.paused_at IS NULL AND EXISTS (
+        SELECT 1 FROM {_D} d
+        WHERE d.endpoint_id = e.id AND d.outcome = 'pending' AND d.next_attempt_at <= %(now)s
+          AND (d.lease_expires_at IS NULL OR d.lease_expires_at < %(now)s)
+    )
 ), leased AS (
     SELECT d.endpoint_id, count(*) AS n FROM {_D} d
     WHERE d.lease_expires_at >= %(now)s AND d.outcome = 'pending'

@@ -59,6 +59,9 @@ class WebhookEndpoint(models.Model):
     paused_at = models.DateTimeField(null=True, blank=True)
     # Why it is paused, shown to its owner (the API) and the operator (the admin); empty when not paused.
     paused_reason = models.CharField(max_length=300, blank=True, default="")
+    # Paused by an operator (the admin), not by the relay for failing: only an operator may resume it, so an
+    # owner cannot undo what the operator decided about its endpoint.
+    paused_by_operator = models.BooleanField(default=False)
 
     class Meta:
         indexes = [models.Index(fields=["owner_hash", "-id"], name="webhook_endpoint_owner")]

@@ -9,6 +9,8 @@ from datetime import timedelta
 import uuid6
 from django.conf import settings
 from django.db import connection, transaction
+from django.db.models import DateTimeField, F, Q, Value
+from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from batches.errors import invalid, missing
@@ -16,7 +18,7 @@ from batches.webhooks import events, guard, outbox, signing
 from batches.webhooks.models import Delivery, DeliveryOutcome, Event, WebhookEndpoint
 from relay import crypto
 from relay.auth import Principal
-from relay.errors import quoted
+from relay.errors import RelayError, quoted
 
 log = logging.getLogger(__name__)
 
@@ -226,19 +228,37 @@ def resend(delivery: Delivery) -> Delivery:
 
 
 def pause(endpoint: WebhookEndpoint, reason: str = "Paused by an operator.") -> None:
-    """Stop deliveries to an endpoint; what waits is kept for its resume."""
-    WebhookEndpoint.objects.filter(pk=endpoint.pk, paused_at__isnull=True).update(
-        paused_at=timezone.now(), paused_reason=reason[:300]
+    """An operator stops deliveries to an endpoint; what waits is kept for its resume, which only an operator
+    may do (`resume(by_owner=True)` refuses). An endpoint the relay paused for failing becomes the operator's."""
+    WebhookEndpoint.objects.filter(pk=endpoint.pk).filter(
+        Q(paused_at__isnull=True) | Q(paused_by_operator=False)
+    ).update(
+        paused_at=Coalesce(F("paused_at"), Value(timezone.now(), output_field=DateTimeField())),
+        paused_reason=reason[:300],
+        paused_by_operator=True,
     )
 
 
-def resume(endpoint: WebhookEndpoint) -> int:
+def resume(endpoint: WebhookEndpoint, *, by_owner: bool = False) -> int:
     """Deliveries to a paused endpoint start again (the owner's or an operator's): its reason and failure count
-    are cleared, and everything it kept is due now, on a fresh schedule."""
+    are cleared, and everything it kept is due now, on a fresh schedule. Its owner may resume what the relay
+    paused, never what an operator paused (409)."""
     now = timezone.now()
     with transaction.atomic():
+        fresh = WebhookEndpoint.objects.select_for_update().get(pk=endpoint.pk)
+        if by_owner and fresh.paused_by_operator:
+            raise RelayError(
+                409,
+                "endpoint_paused_by_operator",
+                "this webhook endpoint was paused by the relay's operator: only they can resume it",
+            )
         WebhookEndpoint.objects.filter(pk=endpoint.pk).update(
-            paused_at=None, paused_reason="", failing_since=None, last_failure_at=None, consecutive_failures=0
+            paused_at=None,
+            paused_reason="",
+            paused_by_operator=False,
+            failing_since=None,
+            last_failure_at=None,
+            consecutive_failures=0,
         )
         pending = Delivery.objects.filter(endpoint=endpoint, outcome=DeliveryOutcome.PENDING)
         waiting = pending.update(next_attempt_at=now, schedule_from=now)

@@ -86,7 +86,7 @@ class TestView(_WebhookView):
 class ResumeView(_WebhookView):
     def post(self, request, endpoint_id):
         endpoint = selectors.endpoint_for_owner(endpoint_id, request.user)
-        services.resume(endpoint)
+        services.resume(endpoint, by_owner=True)
         return JsonResponse(serialize.endpoint(endpoint))
 
 
