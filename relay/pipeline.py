@@ -383,6 +383,10 @@ def _dispatch(call: Call, ctx: dict, started: float, streamed: bool = False) -> 
                 _score(call, cand.key_hash, failure)
                 if failure in _RETRY_QUIET and not call.failover_on_server_error:
                     break  # the caller retries later, with backoff
+                if exc.read_timeout:
+                    # The provider was still generating when the read timed out: the request's own length is the
+                    # likely cause, and the next key would bill the operator for the same generation again.
+                    break
                 continue
             last_response, last_error = resp, None
             if 200 <= resp.status < 300 and streamed:

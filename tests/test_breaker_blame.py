@@ -96,6 +96,23 @@ def test_one_tenants_read_timeouts_do_not_bench_the_shared_key_for_another(tenan
     assert breaker.suspects(KEY) == []  # B's success cleared A's score
 
 
+def test_a_live_call_that_outlives_the_read_timeout_is_not_tried_on_another_key(live_server, catalog, fake):
+    # Two keys on the policy: a generation that outlives the read timeout would run (and bill the operator)
+    # once per key if the call failed over; it is sent once, and the caller gets its 502.
+    assert PolicyHostKey.objects.filter(policy=catalog.policy).count() >= 2
+    fake.answer_when(SLOW, Reply(delay=READ_TIMEOUT + 2))
+    with override_settings(RELAY_UPSTREAM_READ_TIMEOUT=READ_TIMEOUT):
+        resp = requests.post(
+            live_server.url + "/v1/chat/completions",
+            json=chat(SLOW),
+            headers={"Authorization": f"Bearer {catalog.key}"},
+            timeout=30,
+        )
+        _wait_for_event(resp)
+    assert resp.status_code == 502 and resp.json()["error"]["code"] == "upstream_error", resp.text
+    assert len([r for r in fake.received if SLOW in json.dumps(r["body"])]) == 1
+
+
 def test_read_timeouts_of_two_tenants_within_the_window_bench_the_key_for_everyone(tenants, fake):
     fake.answer_when(SLOW, Reply(delay=READ_TIMEOUT + 2))
     with override_settings(RELAY_UPSTREAM_READ_TIMEOUT=READ_TIMEOUT):

@@ -27,7 +27,10 @@ class UpstreamError(Exception):
     - too_large: the answer exceeded MAX_RESPONSE_BYTES.
     """
 
-    def __init__(self, kind: str, message: str):
+    def __init__(self, kind: str, message: str, *, read_timeout: bool = False):
         super().__init__(message)
         self.kind = kind
         self.message = message
+        # A `network` failure that is the provider still thinking past RELAY_UPSTREAM_READ_TIMEOUT: the call is
+        # not tried on another key (each would bill the operator for the same long generation nobody gets).
+        self.read_timeout = read_timeout

@@ -248,7 +248,7 @@ def _failure(exc: Exception) -> UpstreamError:
     if isinstance(reason, NewConnectionError | SSLError) or _is_connect_failure(reason):
         return UpstreamError("unreachable", f"{type(reason).__name__}: {exc}")
     if isinstance(reason, ReadTimeoutError):
-        return UpstreamError("network", f"read timeout: {exc}")
+        return UpstreamError("network", f"read timeout: {exc}", read_timeout=True)
     return UpstreamError("network", f"{type(reason).__name__}: {exc}")
 
 
