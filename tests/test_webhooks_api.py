@@ -544,6 +544,17 @@ def test_a_lease_holds_a_delivery_until_it_runs_out_and_a_lost_lease_records_not
     assert DeliveryAttempt.objects.count() == 1
 
 
+def test_an_attempt_that_outlived_its_lease_cannot_record_over_the_same_lanes_next_claim(catalog, receiver):
+    _, _, d = ended_event(catalog, receiver)
+    (first,) = deliveries.claim([d.pk], "lane-a")
+    Delivery.objects.update(lease_expires_at=timezone.now() - timedelta(seconds=1))
+    (again,) = deliveries.claim([d.pk], "lane-a")  # the same lane claims it again: a lease of its own
+    assert first.lease != again.lease
+    assert deliveries.finish(first, deliveries.attempt(first)) == "skipped"
+    assert deliveries.finish(again, deliveries.attempt(again)) == "delivered"
+    assert DeliveryAttempt.objects.count() == 1
+
+
 def test_the_admin_shows_deliveries_and_paused_endpoints_and_resends(catalog, receiver, client, django_user_model):
     from django.urls import reverse
 

@@ -141,7 +141,9 @@ def test_a_pick_serves_owners_in_turn_within_the_endpoint_and_owner_caps(catalog
     assert len(deliveries.claim(mine, "lane-a")) == 4
     assert lane.pick(100, 1) == [theirs]
     # A lane that died: its leases run out and the caps free up.
-    Delivery.objects.filter(lease_owner="lane-a").update(lease_expires_at=timezone.now() - timedelta(seconds=1))
+    Delivery.objects.filter(lease_owner__startswith="lane-a:").update(
+        lease_expires_at=timezone.now() - timedelta(seconds=1)
+    )
     assert len([d for d in lane.pick(100, 2) if d != theirs]) == 4
     # A paused endpoint's deliveries are never picked.
     WebhookEndpoint.objects.filter(owner_hash=quiet.owner_hash).update(paused_at=timezone.now())

@@ -254,6 +254,9 @@ def claim(delivery_ids, lease_owner: str, now=None) -> list[Job]:
     by another lane first (or still live) leaves its delivery out: duplicate picks are harmless."""
     now = now or timezone.now()
     until = now + timedelta(seconds=lease_seconds())
+    # Each claim its own token (the process's name and a suffix): an attempt that outlived its lease cannot
+    # record over a later claim of the same delivery, even by the same lane.
+    lease_owner = f"{lease_owner[:90]}:{uuid.uuid4().hex[:8]}"
     # One statement: a lane that loses the race for a row waits for its lock, then finds its lease live and
     # leaves it (PostgreSQL re-checks the WHERE of an UPDATE on the row's newest version).
     if not Delivery.objects.filter(claimable(now), pk__in=list(delivery_ids)).update(
