@@ -6,15 +6,19 @@ import logging
 
 from django.conf import settings
 from django.db import connection
+from django.db.models import Q
 from django.utils import timezone
 
 from batches import dispatch, retrying
 from batches.lifecycle import finish, stop
-from batches.models import Attempt, Batch, BatchStatus, Surface
+from batches.models import Attempt
 from batches.outcomes import Code
 from batches.provider import jobs as provider_jobs
+from batches.provider.models import OPEN_JOB_STATUSES, JobStatus, ProviderJob
+from batches.surfaces import registry
 from batches.worker.execute import batch_of, event_without_dispatch
 from usage import budgets
+from usage.models import BudgetHold
 from usage.services import record_event
 
 log = logging.getLogger(__name__)
@@ -34,10 +38,35 @@ def sweep() -> dict:
     _step("schedule expiries", lambda: schedule_expiries(now))
     _step("lost validations", lambda: _redispatch_lost_validations(stale))
     _step("unfinished batches", lambda: _finish_unfinished(stale))
-    _step("provider jobs", provider_jobs.due_jobs)  # a job's lost message or run-out lease (batches/provider/)
-    _step("budget holds", budgets.reclaim_expired)  # reservations a dead worker never settled (usage/budgets.py)
+    # Provider batch mode and budgets cost a sweep nothing where they are not in use (one statement asks).
+    in_use = _step("in use", lambda: _in_use(now)) or _ALL_IN_USE
+    if in_use["provider_jobs"]:
+        _step("provider jobs", provider_jobs.due_jobs)  # a job's lost message or run-out lease (batches/provider/)
+    if in_use["budget_holds"]:
+        _step("budget holds", budgets.reclaim_expired)  # reservations a dead worker never settled (usage/budgets.py)
     woken = _step("wake", dispatch.wake_workers)
     return {"rescued": rescued, "discarded": discarded, "expired": expired, "woken": woken}
+
+
+_ALL_IN_USE = {"provider_jobs": True, "budget_holds": True}
+
+
+def _in_use(now) -> dict:
+    """Which of the sweep's feature steps have anything to look at, in one statement: provider jobs open or
+    ended still naming a budget hold (provider_jobs.due_jobs), budget holds past their expiry
+    (budgets.reclaim_expired). Each step finds nothing where this says False: same tables, looser filters."""
+    looks = {
+        "provider_jobs": ProviderJob.objects.filter(
+            Q(status__in=OPEN_JOB_STATUSES)
+            | Q(budget_hold__isnull=False, status__in=(JobStatus.DONE, JobStatus.RELEASED))
+        ),
+        "budget_holds": BudgetHold.objects.filter(expires_at__lte=now),
+    }
+    parts = [qs.values("pk")[:1].query.sql_with_params() for qs in looks.values()]
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT " + ", ".join(f"EXISTS({sql})" for sql, _ in parts), [p for _, ps in parts for p in ps])
+        row = cursor.fetchone()
+    return dict(zip(looks, row, strict=True))
 
 
 def _step(name: str, fn):
@@ -75,24 +104,14 @@ def expire_on_time(batch_id) -> bool:
 
 
 def _redispatch_lost_validations(stale) -> int:
-    # OpenAI batches validating since before `stale`: their message was lost (or its worker died).
-    lost = list(
-        Batch.objects.filter(surface=Surface.OPENAI, status=BatchStatus.VALIDATING, created_at__lt=stale).values_list(
-            "id", flat=True
-        )[:100]
-    )
-    for batch_id in lost:
-        dispatch.redispatch("validate_openai_batch", batch_id)
-    return len(lost)
+    # Control messages of each surface's own (an OpenAI batch's validation) lost, or their worker died.
+    return sum(surface.redispatch_lost(stale) for surface in registry.all_surfaces())
 
 
 def _finish_unfinished(stale) -> int:
     batches = stop.unfinished_batches()
     for batch_id, surface, status, finalizing_at, cancelling_at in batches:
-        if surface == Surface.OPENAI and status in (BatchStatus.FINALIZING, BatchStatus.CANCELLING):
-            if (finalizing_at or cancelling_at) < stale:
-                dispatch.redispatch("finalize_openai_batch", batch_id)  # finalize's message was lost
-        else:
+        if not registry.get(surface).finishes_itself(batch_id, status, finalizing_at or cancelling_at, stale):
             stop.complete_if_done(batch_id)
     return len(batches)
 

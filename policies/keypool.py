@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 
 from policies import breaker, livefirst, lua, provider_limits, ratelimit
-from policies.models import KeySelection
+from policies.models import KeySelection, Meter
 from relay import catalog
 from relay.redis import get_redis
 from usage.tokens import Tokens
@@ -86,9 +87,17 @@ def mark_used(policy_id: int, key_hash: str) -> None:
 # it meets as met by live); a batch pick fills each shared limit only up to the policy's batch share
 # while live traffic is active on it, and stays off a policy or key where live met a limit.
 #
+# Pay only for what is configured: live marks are written only where a batch pick reads them (the
+# policy's when its batch_share is below 1, a key's when a policy with batch_share below 1 pools it),
+# and a batch pick reads them only with a share below 1. The caller may leave the request's tokens
+# unestimated (total -1) where no configured limit meters tokens: a candidate with a learned token
+# quota then makes the script answer {4, candidate} before anything is consumed, and the caller
+# estimates and decides again.
+#
 # ARGV: n_in, selection, probe TTL ms, cursor TTL s, m (candidates), source, share, tokens needed
-#   (total, input, output), then 4 values per inbound rule, then per candidate: n_tier and 4 values
-#   per tier rule; then the quota's provisional window ms and the catalog generation the caller
+#   (total, input, output; total -1: not estimated), then 4 values per inbound rule, then per
+#   candidate: n_tier, whether live marks the key ('1') and 4 values per tier rule; then whether live
+#   marks the policy ('1'), the quota's provisional window ms and the catalog generation the caller
 #   holds ('' = don't check).
 # KEYS: n_in inbound keys, the round-robin cursor, the policy's live mark and live-denied mark, then
 #   per candidate: breaker state, breaker probe, LRU mark, the 4 quota keys and the quota info, the
@@ -97,7 +106,8 @@ def mark_used(policy_id: int, key_hash: str) -> None:
 #   reloads and decides again); {0, rule, wait ms} when the inbound limit is spent (nothing
 #   consumed; rule 0: held for live traffic); {1, candidate, position, tokens, input tokens, output
 #   tokens taken from the provider's quotas, order...} when a candidate was taken;
-#   {2, soonest wait ms or -1, 0, 0, 0, 0, order...} when none was usable.
+#   {2, soonest wait ms or -1, 0, 0, 0, 0, order...} when none was usable; {4, candidate} when the
+#   tokens were not estimated and that candidate has a learned token quota (nothing consumed).
 _HEAD = 10
 _PER_CAND_KEYS = 11
 _PICK_LUA = (
@@ -112,6 +122,7 @@ if held_gen ~= '' then
   if gen ~= held_gen then return {3, gen or ''} end
 end
 local provisional = tonumber(ARGV[#ARGV - 1])
+local policy_marks = ARGV[#ARGV - 2] == '1'
 local now = now_ms()
 local n_in = tonumber(ARGV[1])
 local selection = ARGV[2]
@@ -123,37 +134,50 @@ local share = nil
 if batch then share = tonumber(ARGV[7]) end
 local needs = {1, tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])}
 local meters = {'requests', 'tokens', 'input_tokens', 'output_tokens'}
-local a = 10
+-- Live state matters to a batch pick only when it leaves live traffic a part.
+local reads_live = batch and share < 1
 local policy_live, policy_denied = KEYS[n_in + 2], KEYS[n_in + 3]
+local rr_key = KEYS[n_in + 1]
+local cands = {}
+do
+  local k, a = n_in + 3, 10 + 4 * n_in
+  for c = 1, m do
+    local nt = tonumber(ARGV[a + 1])
+    cands[c] = {
+      state = KEYS[k + 1], probe = KEYS[k + 2], lru = KEYS[k + 3],
+      quota = {KEYS[k + 4], KEYS[k + 5], KEYS[k + 6], KEYS[k + 7]}, info = KEYS[k + 8],
+      live = KEYS[k + 9], denied = KEYS[k + 10], batch_wait = KEYS[k + 11],
+      k0 = k + 11, a0 = a + 2, nt = nt, marks = ARGV[a + 2] == '1',
+    }
+    k = k + 11 + nt
+    a = a + 2 + 4 * nt
+  end
+end
+if needs[2] < 0 then
+  -- Not estimated: only a learned token quota needs the request's tokens (a configured token limit
+  -- made the caller estimate them).
+  for c = 1, m do
+    local d = cands[c]
+    local v = redis.call('HMGET', d.info, 'limit:tokens', 'limit:input_tokens', 'limit:output_tokens')
+    if v[1] or v[2] or v[3] or redis.call('EXISTS', d.quota[2], d.quota[3], d.quota[4]) > 0 then return {4, c} end
+  end
+  needs = {1, 0, 0, 0}
+end
+local a = 10
 if n_in > 0 then
   if batch then
     local held = batch_held(policy_denied)
     if held > 0 then return {0, 0, held} end
   end
   local live = nil
-  if batch then live = live_state(policy_live, now) end
+  if reads_live then live = live_state(policy_live, now) end
   local worst, wait, apply = check_rules(0, a, n_in, now, share, live)
-  if not batch then live_mark(policy_live, now, needs[2]) end
+  if not batch and policy_marks then live_mark(policy_live, now, needs[2]) end
   if worst > 0 then
     if not batch then live_denied(policy_denied, wait) end
     return {0, worst, math.ceil(wait)}
   end
   for _, fn in ipairs(apply) do fn() end
-end
-a = a + 4 * n_in
-local rr_key = KEYS[n_in + 1]
-local cands = {}
-local k = n_in + 3
-for c = 1, m do
-  local nt = tonumber(ARGV[a + 1])
-  cands[c] = {
-    state = KEYS[k + 1], probe = KEYS[k + 2], lru = KEYS[k + 3],
-    quota = {KEYS[k + 4], KEYS[k + 5], KEYS[k + 6], KEYS[k + 7]}, info = KEYS[k + 8],
-    live = KEYS[k + 9], denied = KEYS[k + 10], batch_wait = KEYS[k + 11],
-    k0 = k + 11, a0 = a + 1, nt = nt,
-  }
-  k = k + 11 + nt
-  a = a + 1 + 4 * nt
 end
 
 -- The provider's learned quotas of a candidate: 0 and each meter's (limit, window) when the request
@@ -211,7 +235,7 @@ for pos, c in ipairs(order) do
       -- Live met a limit on this key, or the provider answered a batch call 429: stay off it.
       tier_wait = math.max(batch_held(d.denied), batch_held(d.batch_wait))
       if tier_wait > 0 then worst = -1 end
-      live = live_state(d.live, now)
+      if reads_live then live = live_state(d.live, now) end
     end
     if worst == 0 then worst, tier_wait, apply = check_rules(d.k0, d.a0, d.nt, now, share, live) end
     local infos
@@ -230,7 +254,7 @@ for pos, c in ipairs(order) do
         if i > 1 then res[#res + 1] = taken end
       end
       redis.call('SET', d.lru, now, 'EX', cursor_ttl)
-      if not batch then live_mark(d.live, now, needs[2]) end
+      if not batch and d.marks then live_mark(d.live, now, needs[2]) end
       for _, o in ipairs(order) do res[#res + 1] = o end
       return res
     end
@@ -238,7 +262,7 @@ for pos, c in ipairs(order) do
     if ok == 2 then redis.call('DEL', d.probe) end
     if not batch then
       -- Live demand counts whether or not it was served: the batch leaves room for it next time.
-      live_mark(d.live, now, needs[2])
+      if d.marks then live_mark(d.live, now, needs[2]) end
       live_denied(d.denied, tier_wait)
     end
     wait = tier_wait
@@ -265,14 +289,16 @@ class Picks:
     `retry_after_ms`: when no key was usable, the soonest a skipped one frees up (None when unknown).
     """
 
-    def __init__(self, policy, candidates: list, max_picks: int, source: str = "live", need: Tokens | None = None):
+    def __init__(self, policy, candidates: list, max_picks: int, source: str = "live", need=None):
         self._policy = policy
         self._candidates = list(candidates)
         self._max = max_picks
         self._first = None
         self._source = "batch" if source == "batch" else "live"
         self._share = livefirst.share_of(policy)
-        self._need = need or Tokens()
+        # Tokens, or how to estimate them when a limit turns out to meter tokens (`_tokens`).
+        self._need = need if callable(need) else (need or Tokens())
+        self._marks = livefirst.marks(policy)
         self.inbound = ratelimit.Reservation([])
         self.held = provider_limits.NOTHING_HELD
         self.retry_after_ms: int | None = None
@@ -281,28 +307,48 @@ class Picks:
         key = cand.key
         return ratelimit.plan(f"hostkey:{key.id}", key.rate_limit, subject=f"host key {key.name}")
 
+    def _tokens(self, cands: list, plans: list, inbound: ratelimit.Plan | None) -> Tokens | None:
+        """The request's tokens where something configured or learned meters them: a token rule of the
+        policy's or a key's limit, or a key this process saw a learned token quota on. None otherwise:
+        the pick then asks for them only if a candidate's provider quota meters tokens (status 4)."""
+        if not callable(self._need):
+            return self._need
+        rules = [*(inbound.rules if inbound is not None else ()), *(r for p in plans for r in p.rules)]
+        if any(r.meter in _TOKEN_METERS for r in rules) or any(c.key_hash in _token_metered for c in cands):
+            self._need = self._need()
+            return self._need
+        return None
+
     def _decide(self, cands: list, selection: str, inbound: ratelimit.Plan | None, held_gen: str = ""):
-        """One round trip. Returns (candidate, tier reservation, tokens held, remaining candidates in order)."""
+        """One round trip (two the first time a key with a learned token quota is seen with tokens not
+        estimated). Returns (candidate, tier reservation, tokens held, remaining candidates in order)."""
         policy_id = self._policy.id
         n_in = len(inbound.rules) if inbound is not None else 0
         plans = [self._tier_plan(c) for c in cands]
         keys = list(inbound.keys) if n_in else []
         policy_scope = f"policy:{policy_id}"
         keys += [_rr_key(policy_id), livefirst.mark_key(policy_scope), livefirst.denied_key(policy_scope)]
-        need = self._need
+        need = self._tokens(cands, plans, inbound)
         args = [n_in, selection, breaker.PROBE_TTL_MS, CURSOR_TTL_S, len(cands), self._source, self._share]
-        args += [need.input + need.output, need.input, need.output]
+        args += [-1, 0, 0] if need is None else [need.input + need.output, need.input, need.output]
         if n_in:
             args += inbound.args
+        marks = self._marks
         for cand, p in zip(cands, plans, strict=True):
             h = cand.key_hash
             keys += [*breaker._keys(h), _lru_key(policy_id, h), *provider_limits.keys(h)]
             keys += [livefirst.mark_key(h), livefirst.denied_key(h), livefirst.batch_wait_key(h), *p.keys]
-            args += [len(p.rules), *p.args]
+            args += [len(p.rules), "1" if marks.key(cand.key) else "0", *p.args]
         keys.append(catalog.GEN_KEY)
-        args += [provider_limits.PROVISIONAL_WINDOW_MS, held_gen]
+        args += ["1" if marks.policy else "0", provider_limits.PROVISIONAL_WINDOW_MS, held_gen]
         result = lua.run(_PICK_LUA, keys, args)
         status = int(result[0])
+        if status == 4:
+            # A learned token quota: remembered for this key, estimated, decided again (nothing was consumed).
+            if len(_token_metered) >= _MAX_TOKEN_METERED:
+                _token_metered.clear()
+            _token_metered.add(cands[int(result[1]) - 1].key_hash)
+            return self._decide(cands, selection, inbound, held_gen)
         if status == 3:
             raise catalog.Stale(_text(result[1]))
         if status == 0:
@@ -340,6 +386,13 @@ class Picks:
             if picked >= self._max or not rest:
                 return
             cand, tier, held, rest = self._decide(rest, KeySelection.PRIORITIZED, None)
+
+
+# The meters of a configured limit that count tokens: a request's tokens are estimated for them.
+_TOKEN_METERS = frozenset({Meter.TOKENS, Meter.TOKENS_INPUT, Meter.TOKENS_OUTPUT})
+# Keys this process saw a learned token quota on (the pick's status 4): estimated up front from then on.
+_token_metered: set[str] = set()
+_MAX_TOKEN_METERED = 10_000
 
 
 _SUCCESS_LUA = (
@@ -380,7 +433,13 @@ def settle_success(
 
 
 def pick(
-    policy, candidates: list, *, max_picks: int, catalog_gen: str = "", source: str = "live", need: Tokens | None = None
+    policy,
+    candidates: list,
+    *,
+    max_picks: int,
+    catalog_gen: str = "",
+    source: str = "live",
+    need: Tokens | Callable[[], Tokens] | None = None,
 ) -> Picks:
     """The inbound limit of `policy` and its first usable key, in one Redis round trip.
 
@@ -389,7 +448,8 @@ def pick(
     check) is no longer the one in Redis (nothing consumed either: route again and re-pick).
     `candidates`: objects with `.key` (a HostKey) and `.key_hash`, in declared order. `source`: "live"
     or "batch" (live first: policies.livefirst). `need`: the request's worst case in tokens, taken from
-    the keys' learned token quotas (usage.tokens.estimate)."""
+    the keys' learned token quotas (usage.tokens.estimate); a function returning it is called only where a
+    token limit of the policy's or a key's, or a key's learned token quota, meters tokens."""
     inbound = ratelimit.plan(f"policy:{policy.id}", policy.rate_limit, subject=f"policy {policy.name}")
     return Picks(policy, candidates, max_picks, source, need).start(inbound, catalog_gen)
 

@@ -23,15 +23,23 @@ continuously, and so does what is kept: it is never marked spent for live reques
 429 benches the key for batch items only), so live requests can use it the moment they come.
 
 Every mark is read and written inside the key pick's one script (policies.keypool): no round trip.
+
+Only where a batch pick would read them (`marks`): a live pick marks its policy when the policy's
+`batch_share` is below 1, and a key when some policy with `batch_share` below 1 pools it (a batch pick
+through that policy leaves live traffic its part of the key); a batch pick reads them only with a share
+below 1. With every share at 1 live first costs nothing. Which keys are marked is read once per catalog
+generation (one query, kept with the catalog snapshot).
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from decimal import Decimal
 
 import redis
 
+from relay import catalog
 from relay.redis import get_redis
 
 log = logging.getLogger(__name__)
@@ -134,6 +142,38 @@ def share_of(policy) -> float:
         return 1.0
     share = float(Decimal(value))
     return min(max(share, 0.0), 1.0)
+
+
+@dataclass(frozen=True)
+class Marks:
+    """Where a live pick marks live traffic: its policy (`policy`), and which of the keys it may take."""
+
+    policy: bool
+    keys: frozenset  # HostKey ids pooled by a policy with batch_share below 1
+
+    def key(self, host_key) -> bool:
+        return host_key.id in self.keys
+
+
+def marks(policy) -> Marks:
+    return Marks(policy=share_of(policy) < 1, keys=shared_keys())
+
+
+def shared_keys() -> frozenset:
+    """The host keys some policy with batch_share below 1 pools: once per catalog generation, kept with the
+    snapshot this process holds (the one the request routed with; a pick made with a stale one is refused
+    by the generation check and made again with the new one). Without a snapshot (none loaded yet, or
+    Redis could not tell the generation) read each time."""
+    snap = catalog.peek()
+    memo = getattr(snap, "livefirst_keys", None)
+    if memo is not None:
+        return memo
+    from policies.models import PolicyHostKey
+
+    memo = frozenset(PolicyHostKey.objects.filter(policy__batch_share__lt=1).values_list("host_key_id", flat=True))
+    if snap.gen is not None:
+        snap.livefirst_keys = memo
+    return memo
 
 
 def after_429(key_hash: str, source: str, retry_after: float | None) -> None:

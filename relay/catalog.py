@@ -131,6 +131,11 @@ def held() -> _Snapshot | None:
     return _local_cache.held()
 
 
+def peek() -> _Snapshot:
+    """The snapshot this process holds, as it is (no round trip, no check): for what is kept with it."""
+    return _local_cache.snapshot
+
+
 def current() -> _Snapshot | None:
     """The snapshot valid for the generation in Redis now (one round trip); None when Redis cannot tell."""
     return _local_cache.current()

@@ -280,7 +280,9 @@ def _route(call: Call, snap) -> tuple:
     policy = call.policy if call.policy is not None and snap is None else routing.load_policy(policy_id, snap)
     route = routing.resolve(policy, call.body.get("model"), snap)
     adapters.check_betas(route.binding, call.inbound_headers)  # before a key is picked: nothing to give back
-    return policy, route, _check_shape(call, route)
+    path = _check_shape(call, route)
+    adapters.check_served(route.binding, path)  # the host's kind may serve fewer endpoints (Gemini: no Completions)
+    return policy, route, path
 
 
 def _routed_and_picked(call: Call, ctx: dict):
@@ -313,7 +315,8 @@ def _routed_and_picked(call: Call, ctx: dict):
                 max_picks=MAX_KEY_ATTEMPTS,
                 catalog_gen=check,
                 source=call.source,
-                need=estimate(call.body),
+                # Estimated only where a limit or a learned quota meters tokens (policies.keypool).
+                need=lambda: estimate(call.body),
             )
         except ratelimit.RateLimited as exc:
             err = RelayError(429, "rate_limit_exceeded", exc.message, headers={"Retry-After": exc.retry_after})
@@ -361,10 +364,7 @@ def _dispatch(call: Call, ctx: dict, started: float, streamed: bool = False) -> 
             ctx["host_key"] = key
             try:
                 resp = send(
-                    adapters.upstream_url(route.host.base_url, path),
-                    adapters.upstream_headers(
-                        route.adapter, key_value, call.inbound_headers, key=key, binding=route.binding
-                    ),
+                    *adapters.upstream_request(route.binding, path, key_value, payload, call.inbound_headers, key=key),
                     payload,
                     deadline=call.deadline,
                     cancel=call.cancel,
@@ -389,6 +389,7 @@ def _dispatch(call: Call, ctx: dict, started: float, streamed: bool = False) -> 
                     break
                 continue
             last_response, last_error = resp, None
+            adapters.learnable_headers(route.binding, resp.headers)  # what the provider left out of its quota word
             if 200 <= resp.status < 300 and streamed:
                 # The key answered: its breaker closes now (a half-open probe is answered before the first
                 # byte, not at the stream's end). Its tier and the inbound limit stay held while the stream

@@ -26,6 +26,13 @@ with `load=True` (the default) every HostKey value in the catalog, reloaded at m
 RELOAD_SECONDS; the master key, admin token and Django secret key of the settings; and anything
 shaped like a relay key (`sk-wr-` and 32+ key letters), whose secrets the relay never stores.
 The pipeline and log lines use `load=False`: no database query on the hot path or in logging.
+
+The matcher (the secrets, longest first, and one compiled pattern of their base64 letters) is built
+when the secrets change, not per call: a version number moves when a new value is remembered, when the
+catalog's values reloaded differ, when a catalog write bumps the generation (relay.generation calls
+`catalog_changed`: the host keys are read again at the next `load=True` use) or when a setting changes
+(tests); every other call reuses it. A text shorter than MIN_LENGTH cannot hold a secret in any form
+(each form is at least as long as the secret) and is returned at once.
 """
 
 import base64
@@ -63,21 +70,34 @@ _lock = threading.Lock()
 _remembered: set[str] = set()
 _catalog: frozenset[str] = frozenset()
 _loaded_at = float("-inf")
-_compiled: tuple[tuple[str, ...], "_Matcher"] | None = None
+# Moves whenever the set of secrets may have changed; the matcher is rebuilt only then (`_matcher`).
+_version = 0
+_compiled: tuple[int, "_Matcher"] | None = None
+# The settings' secrets, read once (a setting changed in a test drops them: `_settings_changed`).
+_static: frozenset[str] | None = None
 
 
 def remember(value: str) -> None:
     """Record a host-key value the relay is about to send to a provider."""
+    global _version
     if not value or len(value) < MIN_LENGTH or value in _remembered:
         return
     with _lock:
         if len(_remembered) >= _MAX_REMEMBERED:
             _remembered.clear()
         _remembered.add(value)
+        _version += 1
+
+
+def catalog_changed() -> None:
+    """A catalog write (relay.generation's bump): the host keys are read again at the next `load=True`
+    use, so a key added or rotated a moment ago is scrubbed from then on, not after RELOAD_SECONDS."""
+    global _loaded_at
+    _loaded_at = float("-inf")
 
 
 def _reload_catalog() -> None:
-    global _catalog, _loaded_at
+    global _catalog, _loaded_at, _version
     if time.monotonic() - _loaded_at < RELOAD_SECONDS:
         return
     _loaded_at = time.monotonic()
@@ -94,17 +114,39 @@ def _reload_catalog() -> None:
     except Exception:  # no database (a management command, a test without db): keep what is known
         log.debug("could not load host keys for scrubbing", exc_info=True)
         return
-    _catalog = frozenset(v for v in values if len(v) >= MIN_LENGTH)
+    loaded = frozenset(v for v in values if len(v) >= MIN_LENGTH)
+    if loaded != _catalog:
+        with _lock:
+            _catalog = loaded
+            _version += 1
 
 
-def _settings_secrets() -> set[str]:
+_SETTINGS_NAMES = ("RELAY_MASTER_KEY", "RELAY_ADMIN_TOKEN", "SECRET_KEY")
+
+
+def _settings_secrets() -> frozenset[str]:
+    global _static
+    if _static is not None:
+        return _static
     try:
         from django.conf import settings
+        from django.test.signals import setting_changed
 
-        names = ("RELAY_MASTER_KEY", "RELAY_ADMIN_TOKEN", "SECRET_KEY")
-        return {v for v in (getattr(settings, n, "") for n in names) if isinstance(v, str) and len(v) >= MIN_LENGTH}
-    except Exception:  # settings not configured (a bare import): no static secrets to add
-        return set()
+        values = (getattr(settings, n, "") for n in _SETTINGS_NAMES)
+        static = frozenset(v for v in values if isinstance(v, str) and len(v) >= MIN_LENGTH)
+        setting_changed.connect(_settings_changed, dispatch_uid="relay.scrub")
+    except Exception:  # settings not configured (a bare import): no static secrets to add (and none kept)
+        return frozenset()
+    _static = static
+    return static
+
+
+def _settings_changed(setting=None, **kwargs) -> None:
+    global _static, _version
+    if setting in _SETTINGS_NAMES:
+        with _lock:
+            _static = None
+            _version += 1
 
 
 def known_values(*, load: bool = True) -> list[str]:
@@ -119,12 +161,14 @@ def known_values(*, load: bool = True) -> list[str]:
 
 def forget_all() -> None:
     """Tests: start from an empty state (and reload the catalog on next use)."""
-    global _catalog, _loaded_at, _compiled
+    global _catalog, _loaded_at, _compiled, _version, _static
     with _lock:
         _remembered.clear()
         _catalog = frozenset()
         _loaded_at = float("-inf")
         _compiled = None
+        _static = None
+        _version += 1
 
 
 # --- the matcher: every secret found in a decoded view of the text ------------------------------
@@ -185,13 +229,18 @@ class _Matcher:
 
 
 def _matcher(load: bool) -> _Matcher:
+    """The matcher of the secrets known now: built again only when they may have changed (`_version`)."""
     global _compiled
-    values = tuple(known_values(load=load))
+    if load:
+        _reload_catalog()
     cached = _compiled
-    if cached is not None and cached[0] == values:
+    if cached is not None and cached[0] == _version:
         return cached[1]
-    matcher = _Matcher(values)
-    _compiled = (values, matcher)
+    # The version is read before the values: a value remembered meanwhile moves it again, so the next
+    # call rebuilds rather than keep a matcher that misses it.
+    version = _version
+    matcher = _Matcher(tuple(known_values(load=False)))
+    _compiled = (version, matcher)
     return matcher
 
 
@@ -350,13 +399,13 @@ def _decoded_strings_clean(value, m: _Matcher) -> tuple[object, bool]:
 
 
 def scrub_text(text: str, *, load: bool = True) -> str:
-    if not text:
+    if not text or len(text) < MIN_LENGTH:  # too short to hold any secret, in any form
         return text
     return _redact(text, _matcher(load), 0)
 
 
 def scrub_bytes(data: bytes, *, load: bool = True) -> bytes:
-    if not data:
+    if not data or len(data) < MIN_LENGTH:
         return data
     m = _matcher(load)
     text = data.decode("utf-8", "surrogateescape")

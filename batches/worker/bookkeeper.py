@@ -134,6 +134,13 @@ def write_results(writes: list[FinalWrite]) -> None:
             write.ref = ref
 
 
+def groups_pay() -> bool:
+    """Whether storing the results in hand as one group saves anything: a statement per result on `db`, a
+    PUT on `s3`. On `dir` a result is one append either way, so each write stores its own when it runs
+    and the bookkeeper does not gather the jobs queued behind it (nor sort them by batch) first."""
+    return storage.backend() != "dir"
+
+
 # At most this many results in one group of the bookkeeper's (a round's object: ~GROUP_MAX × the result size).
 GROUP_MAX = 256
 
@@ -211,7 +218,7 @@ class Bookkeeper:
                     job, following = following, None
                 else:
                     job = self._take(max(0.0, next_beat - time.monotonic()))
-                if job is not None and getattr(job[1], "unstored", False):
+                if job is not None and getattr(job[1], "unstored", False) and groups_pay():
                     try:
                         self._store_results(job)
                     except Exception:  # each write stores its own result when it runs
