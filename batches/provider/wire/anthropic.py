@@ -23,6 +23,7 @@ from batches.provider.wire.base import (
     json_object,
     jsonl,
     new_id,
+    result_row,
 )
 
 log = logging.getLogger(__name__)
@@ -136,11 +137,8 @@ class AnthropicBatchAPI(BatchAPI):
 
     @staticmethod
     def parse_line(line: bytes) -> Result:
-        try:
-            row = orjson.loads(line)
-        except ValueError:
-            return Result("", "errored")
-        if not isinstance(row, dict):
+        row = result_row(line)
+        if row is None:
             return Result("", "errored")
         custom_id = str(row.get("custom_id") or "")
         result = row.get("result") if isinstance(row.get("result"), dict) else {}

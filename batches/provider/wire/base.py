@@ -280,6 +280,16 @@ def jsonl(resp, parse) -> Iterator[Result]:
         resp.close()
 
 
+def result_row(line: bytes) -> dict | None:
+    """One results line as the object every provider's line is; None for anything else (a line that is not
+    JSON, or JSON but not an object), which becomes an error with no record id."""
+    try:
+        row = orjson.loads(line)
+    except ValueError:
+        return None
+    return row if isinstance(row, dict) else None
+
+
 def json_object(resp) -> dict:
     try:
         value = resp.json()

@@ -21,6 +21,7 @@ from batches.provider.wire.base import (
     json_object,
     jsonl,
     new_id,
+    result_row,
 )
 
 log = logging.getLogger(__name__)
@@ -122,11 +123,8 @@ class OpenAIBatchAPI(BatchAPI):
 
     @staticmethod
     def parse_line(line: bytes) -> Result:
-        try:
-            row = orjson.loads(line)
-        except ValueError:
-            return Result("", "errored")
-        if not isinstance(row, dict):
+        row = result_row(line)
+        if row is None:
             return Result("", "errored")
         custom_id = str(row.get("custom_id") or "")
         error = row.get("error")
