@@ -167,6 +167,19 @@ class _BenchHandler(_Handler):
         return self._json(404, {"error": {"message": f"no route {self.path}"}})
 
 
+def serve(server: BenchUpstream) -> None:
+    """Serve until SIGTERM or Ctrl-C, after telling the parent where (`READY <url>`, read by bench.harness)."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    print(f"READY {server.url}", flush=True)
+    try:
+        server.serve_forever(poll_interval=0.2)
+    except (KeyboardInterrupt, SystemExit):
+        pass
+    finally:
+        server.stopping.set()
+        server.server_close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, default=0)
@@ -177,15 +190,7 @@ def main() -> None:
     server = BenchUpstream(
         port=args.port, delay=args.delay_ms / 1000.0, key_rps=args.key_rps, limit_headers=not args.no_limit_headers
     )
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    print(f"READY {server.url}", flush=True)
-    try:
-        server.serve_forever(poll_interval=0.2)
-    except (KeyboardInterrupt, SystemExit):
-        pass
-    finally:
-        server.stopping.set()
-        server.server_close()
+    serve(server)
 
 
 if __name__ == "__main__":

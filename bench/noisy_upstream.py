@@ -17,13 +17,11 @@ GET /_noisy/seen → {"headers": [{"path", "header", "value"}…], "streams": {t
 import argparse
 import json
 import select
-import signal
 import socket
-import sys
 import threading
 import time
 
-from bench.fake_upstream import BenchUpstream, _BenchHandler
+from bench.fake_upstream import BenchUpstream, _BenchHandler, serve
 
 SLOW_MARKER = "noisy-slow-thinker"
 STREAM_MARKER = "noisy-stream"
@@ -155,15 +153,7 @@ def main() -> None:
     args = parser.parse_args()
     server = NoisyUpstream(port=args.port, delay=args.delay_ms / 1000.0)
     server.batches.job_seconds = args.batch_seconds
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    print(f"READY {server.url}", flush=True)
-    try:
-        server.serve_forever(poll_interval=0.2)
-    except (KeyboardInterrupt, SystemExit):
-        pass
-    finally:
-        server.stopping.set()
-        server.server_close()
+    serve(server)
 
 
 if __name__ == "__main__":
