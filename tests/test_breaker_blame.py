@@ -12,7 +12,6 @@ import json
 import socket
 import socketserver
 import threading
-import time
 
 import pytest
 import requests
@@ -33,8 +32,8 @@ from policies.models import PolicyHostKey
 from relay import auth
 from relay.crypto import sha256_hex
 from relay.demo_upstream import Reply
-from relay.models import HostBinding, ServiceAccount
-from relay.services import create_relay_key
+from relay.models import HostBinding
+from tests.test_tenant_isolation import _wait_for_event, chat, two_tenants
 from usage.models import UsageEvent
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -45,41 +44,11 @@ KEY = sha256_hex("upstream-openai-0")[:12]
 READ_TIMEOUT = 1.0
 
 
-def chat(content: str) -> dict:
-    return {"model": "gpt-4o", "messages": [{"role": "user", "content": content}]}
-
-
 @pytest.fixture
 def tenants(live_server, catalog, fake):
     # One host key on the policy: what one tenant does to it, every tenant meets.
     PolicyHostKey.objects.filter(policy=catalog.policy).exclude(host_key=catalog.keys[0]).delete()
-    sa_b = ServiceAccount.objects.create(project=catalog.project, name="sa-b", policy=catalog.policy)
-    _, key_b = create_relay_key(service_account=sa_b)
-
-    class Tenants:
-        url = live_server.url
-        a, b = catalog.key, key_b
-        tag_a = breaker.principal_tag(auth.principal_for_key(catalog.key))
-
-        def post(self, key: str, content: str) -> requests.Response:
-            resp = requests.post(
-                self.url + "/v1/chat/completions",
-                json=chat(content),
-                headers={"Authorization": f"Bearer {key}"},
-                timeout=30,
-            )
-            _wait_for_event(resp)  # written after the answer: none may land in the next test
-            return resp
-
-    return Tenants()
-
-
-def _wait_for_event(resp) -> None:
-    request_id = resp.headers["X-Relay-Request-ID"]
-    deadline = time.monotonic() + 10
-    while not UsageEvent.objects.filter(request_id=request_id).exists():
-        assert time.monotonic() < deadline, f"no usage event for {request_id}"
-        time.sleep(0.005)
+    return two_tenants(live_server, catalog)
 
 
 def test_one_tenants_read_timeouts_do_not_bench_the_shared_key_for_another(tenants, fake):

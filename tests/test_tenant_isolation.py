@@ -38,9 +38,15 @@ def chat(content: str) -> dict:
 
 @pytest.fixture
 def tenants(live_server, catalog, fake):
+    fake.answer_when(POISON, Reply(status=500, body={"error": {"message": "The server had an error"}}))
+    return two_tenants(live_server, catalog)
+
+
+def two_tenants(live_server, catalog):
+    """Tenant A (the catalog's key) and tenant B (a service account of its own) on the same policy and keys,
+    each posting chat calls and waiting for the call's usage event."""
     sa_b = ServiceAccount.objects.create(project=catalog.project, name="sa-b", policy=catalog.policy)
     _, key_b = create_relay_key(service_account=sa_b)
-    fake.answer_when(POISON, Reply(status=500, body={"error": {"message": "The server had an error"}}))
 
     class Tenants:
         url = live_server.url
