@@ -1,13 +1,17 @@
-"""Upstream adapters: which paths a binding's adapter serves, and its auth headers.
+"""Upstream adapters: which paths a binding's adapter serves; URL and headers of a call, built by the host's kind.
 
 The relay does not translate between shapes: a request is sent to a binding
 whose adapter speaks the request's shape, byte for byte apart from `model`.
 """
 
+from relay import hostkinds
 from relay.errors import RelayError, quoted
+from relay.hostkinds.anthropic import ANTHROPIC_VERSION, BETA_HEADER, parse_betas
+from relay.hostkinds.base import base_of
+from relay.hostkinds.openai import account_headers as openai_account_headers
 from relay.models import Adapter, beta_price_problem
 
-ANTHROPIC_VERSION = "2023-06-01"
+__all__ = ["ANTHROPIC_VERSION", "BETA_HEADER", "parse_betas"]
 
 # Inbound path → the adapter that must serve it.
 PATH_ADAPTER = {
@@ -25,59 +29,61 @@ PATH_ADAPTER = {
 LIVE_PREFIXES = ("", "openai/", "anthropic/")
 LIVE_PATHS = frozenset(f"/{prefix}{path.lstrip('/')}" for path in PATH_ADAPTER for prefix in LIVE_PREFIXES)
 
-# Caller headers that reach an Anthropic provider (docs/api/live.md#headers-that-reach-a-provider). Everything
-# else stays at the relay: the caller's credentials, X-WR-*, and the provider-account headers. OpenAI-Organization
-# and OpenAI-Project choose which organization and project the operator's key bills, so they come from the host key
-# (HostKey.openai_organization / openai_project), never from the caller; anthropic-beta turns on features that
-# bill the operator's account, so a value passes only when the binding lists it (HostBinding.allowed_betas).
-_FORWARDED = {"anthropic-version"}
-BETA_HEADER = "anthropic-beta"
+# Caller headers that reach a provider: docs/api/live.md#headers-that-reach-a-provider. Each host kind says which
+# (relay.hostkinds: Anthropic's take `anthropic-version` and the `anthropic-beta` values the binding allows);
+# everything else stays at the relay: the caller's credentials, X-WR-*, and the provider-account headers.
+# OpenAI-Organization and OpenAI-Project choose which organization and project the operator's key bills, so they
+# come from the host key (HostKey.openai_organization / openai_project), never from the caller; anthropic-beta
+# turns on features that bill the operator's account, so a value passes only when the binding lists it
+# (HostBinding.allowed_betas).
+_BASE_HEADERS = {"Content-Type": "application/json", "Accept": "application/json"}
+
+
+def upstream_request(binding, path: str, key_value: str, body: bytes, inbound_headers=None, *, key=None):
+    """(URL, headers) of one live call of relay path `path` through `binding`: its host's kind builds both."""
+    kind = hostkinds.of(binding.host, binding.adapter)
+    url = kind.url(binding.host, binding, path)
+    headers = {**_BASE_HEADERS, **kind.forwarded_headers(inbound_headers, binding)}
+    headers.update(kind.auth_headers(key_value, key=key, body=body, url=url))
+    return url, headers
+
+
+def check_served(binding, path: str) -> None:
+    """Refuse, before a key is picked, a call to an endpoint the binding's host kind does not serve live (the
+    Gemini API has no Completions endpoint)."""
+    kind = hostkinds.of(binding.host, binding.adapter)
+    if kind.serves(binding.adapter, path):
+        return
+    served = ", ".join(sorted(p for p in kind.paths if PATH_ADAPTER.get(p) == binding.adapter)) or "none"
+    raise RelayError(
+        400,
+        "unsupported_endpoint",
+        f"model {binding.model.name} is served by a {kind.name} host, which does not serve {path} (it serves {served})",
+    )
+
+
+def learnable_headers(binding, headers: dict) -> dict:
+    """An answer's headers as the provider-quota pacing reads them (the kind fills in what its provider omits)."""
+    return hostkinds.of(binding.host, binding.adapter).learnable_headers(headers)
 
 
 def upstream_url(base_url: str, path: str) -> str:
-    base = base_url.rstrip("/")
-    if base.endswith("/v1"):
-        base = base[:-3]
-    return base + path
+    """The URL of `path` on a host reached the native way (OpenAI's and Anthropic's batch APIs use it)."""
+    return base_of(base_url) + path
 
 
 def upstream_headers(adapter: str, key_value: str, inbound_headers=None, *, key=None, binding=None) -> dict:
-    """The headers of one call to a provider: the key's auth and account headers, and of the caller's only
-    `anthropic-version` and the `anthropic-beta` values `binding` allows (`check_betas` refused the others)."""
-    headers = {"Content-Type": "application/json", "Accept": "application/json"}
-    betas: list[str] = []
-    for name, value in (inbound_headers or {}).items():
-        lowered = name.lower()
-        if lowered in _FORWARDED and adapter == Adapter.ANTHROPIC:
-            headers[lowered] = value
-        elif lowered == BETA_HEADER and binding is not None and adapter == Adapter.ANTHROPIC:
-            betas += [b for b in parse_betas(value) if b in (binding.allowed_betas or ())]
-    if betas:
-        headers[BETA_HEADER] = ",".join(dict.fromkeys(betas))
-    if adapter == Adapter.ANTHROPIC:
-        headers["x-api-key"] = key_value
-        headers.setdefault("anthropic-version", ANTHROPIC_VERSION)
-    else:
-        headers["Authorization"] = f"Bearer {key_value}"
-    headers.update(account_headers(adapter, key))
+    """The headers of one call to a provider reached the native way for `adapter` (or through `binding`'s host
+    kind): the key's auth and account headers, and of the caller's only those the kind lets through."""
+    kind = hostkinds.of(binding.host, adapter) if binding is not None else hostkinds.get(hostkinds.NATIVE[adapter])
+    headers = {**_BASE_HEADERS, **kind.forwarded_headers(inbound_headers, binding)}
+    headers.update(kind.auth_headers(key_value, key=key))
     return headers
 
 
 def account_headers(adapter: str, key) -> dict:
     """The provider account a host key bills, as the provider's headers (live calls and provider batch jobs)."""
-    if key is None or adapter == Adapter.ANTHROPIC:
-        return {}
-    headers = {}
-    if key.openai_organization:
-        headers["OpenAI-Organization"] = key.openai_organization
-    if key.openai_project:
-        headers["OpenAI-Project"] = key.openai_project
-    return headers
-
-
-def parse_betas(value) -> list[str]:
-    """`anthropic-beta: a,b` (repeated headers arrive joined by commas) → ["a", "b"]."""
-    return [part.strip() for part in str(value or "").split(",") if part.strip()]
+    return {} if adapter == Adapter.ANTHROPIC else openai_account_headers(key)
 
 
 def check_betas(binding, inbound_headers) -> None:

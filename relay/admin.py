@@ -17,6 +17,7 @@ from relay.models import (
     ServiceAccount,
     Team,
     User,
+    kind_binding_problem,
 )
 
 # Django's left-hand model list takes 300 px of every page, which a 1280 px laptop needs for the lists' columns:
@@ -56,9 +57,32 @@ class ServiceAccountAdmin(admin.ModelAdmin):
     search_fields = ("name", "project__name")
 
 
+class HostForm(forms.ModelForm):
+    class Meta:
+        model = Host
+        fields = ("name", "kind", "base_url", "options")
+        help_texts = {
+            "kind": "How the host is reached (docs/providers/). Empty: each binding's adapter picks OpenAI's or "
+            "Anthropic's wire.",
+            "options": 'The kind\'s settings, such as {"api_version": "2024-10-21"} for azure_openai.',
+        }
+
+    def clean(self):
+        data = super().clean()
+        if self.instance.pk and "kind" in data:
+            probe = Host(kind=data["kind"])
+            for binding in self.instance.bindings.select_related("model").order_by("id"):
+                problem = kind_binding_problem(probe, binding.adapter, binding.batch_mode)
+                if problem:
+                    raise forms.ValidationError({"kind": f"binding {binding}: {problem}"})
+        return data
+
+
 @admin.register(Host)
 class HostAdmin(admin.ModelAdmin):
-    list_display = ("name", "base_url")
+    form = HostForm
+    list_display = ("name", "kind", "base_url")
+    list_filter = ("kind",)
     search_fields = ("name", "base_url")
 
 

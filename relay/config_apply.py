@@ -13,7 +13,7 @@ import yaml
 from django.db import transaction
 
 from policies.models import KeySelection, Meter, Policy, PolicyHostKey, RateLimit, RateLimitRule, Strategy
-from relay import crypto
+from relay import crypto, hostkinds
 from relay.models import (
     ACCOUNT_ID_RE,
     Adapter,
@@ -26,6 +26,7 @@ from relay.models import (
     Project,
     ServiceAccount,
     Team,
+    kind_binding_problem,
 )
 from usage.budgets import parse_usd
 from usage.models import SCOPE_KINDS, Budget, Period
@@ -94,6 +95,8 @@ def apply_config(doc: dict) -> ApplyReport:
                     _APPLIERS[section](entry, report, where)
                 except ConfigError as exc:
                     raise ConfigError(f"{where}: {exc}") from exc
+        # A host's new kind must serve the bindings already on it, the file's and those it does not name.
+        _check_host_bindings(doc.get("hosts") or [])
         # Second pass: project default policies point forward to policies.
         for i, entry in enumerate(doc.get("projects") or []):
             if entry.get("default_policy"):
@@ -239,11 +242,22 @@ def _service_account(e, report, where):
 
 @_wrap_validation
 def _host(e, report, where):
-    _allowed(e, "name", "base_url")
+    """`{name, kind, base_url, <the kind's settings>}`: without `kind`, each binding's adapter picks OpenAI's or
+    Anthropic's wire (relay.hostkinds.NATIVE); a kind with a well-known endpoint fills in `base_url`."""
+    kind_name = e.get("kind") or ""
+    if not isinstance(kind_name, str) or (kind_name and kind_name not in hostkinds.REGISTRY):
+        raise ConfigError(f"kind '{kind_name}' is not one of {', '.join(hostkinds.REGISTRY)}")
+    kind = hostkinds.get(kind_name) if kind_name else None
+    settings = [o.name for o in kind.options] if kind else []
+    _allowed(e, "name", "kind", "base_url", *settings)
+    base_url = e.get("base_url") or (kind.default_base_url if kind else "")
+    if not base_url:
+        raise ConfigError("missing required field 'base_url'")
+    options = {name: e[name] for name in settings if name in e}
     _upsert(
         Host,
         {"name": _required(e, "name")},
-        {"base_url": str(_required(e, "base_url")).rstrip("/")},
+        {"base_url": str(base_url).rstrip("/"), "kind": kind_name, "options": options},
         report,
         f"host {e['name']}",
     )
@@ -532,6 +546,17 @@ def validate_grant(grant: str) -> None:
     model, _, host = rest.partition("@")
     if not provider or (rest and not model) or ("@" in rest and not host) or "@" in provider:
         raise ConfigError(f"grant '{grant}' is not of the form provider[/model[@host]] or *")
+
+
+def _check_host_bindings(hosts: list) -> None:
+    for i, entry in enumerate(hosts):
+        host = Host.objects.filter(name=entry.get("name")).first()
+        if host is None or not host.kind:
+            continue
+        for binding in host.bindings.select_related("model").order_by("id"):
+            problem = kind_binding_problem(host, binding.adapter, binding.batch_mode)
+            if problem:
+                raise ConfigError(f"hosts[{i}]: binding {binding.model.name}@{host.name}: {problem}")
 
 
 def _mark_updated(report: ApplyReport, label: str) -> None:

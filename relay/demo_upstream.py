@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from relay.demo_batches import ProviderBatches
+from relay.demo_clouds import Clouds
 
 DEMO_BANNER = "[relay demo upstream: canned reply, not a real model]"
 
@@ -308,6 +309,8 @@ class DemoUpstream(ThreadingHTTPServer):
         self.rules: list[list] = []  # [text, reply, times left (None: always)]
         # The providers' batch APIs (OpenAI Files + Batches, Anthropic Message Batches): relay.demo_batches.
         self.batches = ProviderBatches(self, canned, KNOWN_PATHS)
+        # The clouds' OpenAI-wire endpoints (Azure OpenAI, the Gemini API): relay.demo_clouds.
+        self.clouds = Clouds()
         self.stopping = threading.Event()
         self._thread = None
 
@@ -331,6 +334,7 @@ class DemoUpstream(ThreadingHTTPServer):
             self.rate_stats = {"ok": 0, "limited": 0}
             self.rules.clear()
         self.batches.reset()
+        self.clouds.reset()
 
     def answer_when(self, text: str, reply: Reply, times: int | None = None) -> None:
         """Requests whose raw body contains `text` get `reply`: every one, or the next `times` of them."""
@@ -404,6 +408,8 @@ class _Handler(BaseHTTPRequestHandler):
     # Headers and body go out in two send() calls; with Nagle on, the body waits for
     # the client's delayed ACK (~40 ms on Linux), a stall no real provider adds.
     disable_nagle_algorithm = True
+    # Headers a cloud fake adds to this request's answer (relay.demo_clouds: Azure's quota headers).
+    extra_headers: dict = {}  # noqa: RUF012 - replaced per request, never mutated
 
     def log_message(self, fmt, *args):  # keep test output quiet
         pass
@@ -419,12 +425,20 @@ class _Handler(BaseHTTPRequestHandler):
         except ValueError:
             body = {}
         key = self.headers.get("x-api-key") or self.headers.get("Authorization", "").removeprefix("Bearer ")
+        asked, cloud = self.path, None
+        if srv.clouds.handles(self.path):  # a cloud's path: checked as its provider does, answered as the OpenAI call
+            cloud = srv.clouds.admit(self.path, self.headers, body)
+            key, self.path = cloud.key, cloud.path or self.path
         with srv.lock:
-            srv.received.append({"path": self.path, "headers": dict(self.headers.items()), "body": body, "key": key})
+            srv.received.append({"path": asked, "headers": dict(self.headers.items()), "body": body, "key": key})
             srv.in_flight += 1
             srv.max_in_flight = max(srv.max_in_flight, srv.in_flight)
         try:
-            self._answer(srv, key, body, raw)
+            if cloud is not None and cloud.refusal is not None:
+                srv.clouds.refuse(self, cloud.refusal)
+            else:
+                self.extra_headers = cloud.headers if cloud is not None else {}
+                self._answer(srv, key, body, raw)
         finally:
             with srv.lock:
                 srv.in_flight -= 1
@@ -459,6 +473,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _answer(self, srv: DemoUpstream, key: str, body: dict, raw: bytes = b""):
         allowed, limit_headers = srv.rate_decision(key)
+        limit_headers = {**self.extra_headers, **limit_headers}
         if not allowed:
             reply = Reply(
                 status=429,

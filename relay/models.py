@@ -13,7 +13,7 @@ from django.db import models
 from django.db.models import Q
 from django.utils import timezone
 
-from relay import crypto
+from relay import crypto, hostkinds
 from relay.errors import quoted
 from relay.generation import CatalogQuerySet
 
@@ -76,12 +76,32 @@ class ServiceAccount(models.Model):
 class Host(models.Model):
     name = models.SlugField(max_length=100, unique=True)
     base_url = models.URLField(max_length=500)
+    # How the host is reached (relay.hostkinds): URL scheme, auth, what it serves live, its batch API. Empty: as
+    # before kinds existed, each binding's adapter picks OpenAI's or Anthropic's wire.
+    kind = models.CharField(max_length=32, blank=True, default="", choices=hostkinds.choices())
+    # The kind's own settings (Azure's api_version…), checked by the kind; a setting left out takes its default.
+    options = models.JSONField(default=dict, blank=True)
     created_at = models.DateTimeField(default=timezone.now)
 
     objects = CatalogQuerySet.as_manager()  # bulk writes bump the catalog generation
 
+    class Meta:
+        constraints = [
+            models.CheckConstraint(condition=Q(kind__in=["", *hostkinds.REGISTRY]), name="host_kind_valid"),
+        ]
+
     def __str__(self):
         return self.name
+
+    def clean(self):
+        from django.core.exceptions import ValidationError
+
+        if self.kind and self.kind in hostkinds.REGISTRY:
+            problem = hostkinds.get(self.kind).options_problem(self.options)
+            if problem:
+                raise ValidationError({"options": problem})
+        elif self.options:
+            raise ValidationError({"options": "only a host with a kind takes settings"})
 
 
 class LLMModel(models.Model):
@@ -218,6 +238,11 @@ class HostBinding(models.Model):
         problem = betas_problem(self.adapter, self.allowed_betas, pricing)
         if problem:
             raise ValidationError({"allowed_betas": problem})
+        kind = hostkinds.get(self.host.kind) if self.host_id and self.host.kind in hostkinds.REGISTRY else None
+        if kind is not None and kind.adapter_problem(self.adapter):
+            raise ValidationError({"adapter": kind.adapter_problem(self.adapter)})
+        if kind is not None and kind.batch_mode_problem(self.batch_mode):
+            raise ValidationError({"batch_mode": kind.batch_mode_problem(self.batch_mode)})
 
 
 class HostKey(models.Model):
@@ -477,3 +502,11 @@ def beta_price_problem(beta: str, pricing) -> str:
                     "(above_input_tokens and its rates) before allowing it"
                 )
     return ""
+
+
+def kind_binding_problem(host, adapter: str, batch_mode: str) -> str:
+    """Why a binding with `adapter` and `batch_mode` cannot be on `host`, given the host's kind ("" when it can)."""
+    if not host.kind or host.kind not in hostkinds.REGISTRY:
+        return ""  # no kind: the binding's adapter picks the wire, as it always did
+    kind = hostkinds.get(host.kind)
+    return kind.adapter_problem(adapter) or kind.batch_mode_problem(batch_mode)
