@@ -1,5 +1,5 @@
 """The catalog's generation counter: one Redis integer that every catalog write increments, and the
-queryset that makes bulk writes bump it. A leaf (Redis, Django's ORM and the scrubber, itself a leaf):
+queryset that makes bulk writes bump it. A leaf (Redis and Django's ORM):
 the catalog models (relay/models.py, policies/models.py) use its queryset, and relay/catalog.py, which
 reads those models, registers the cache it drops on every bump (`on_bump`). See relay/catalog.py for
 the scheme.
@@ -11,7 +11,6 @@ from collections.abc import Callable
 import redis
 from django.db import models, transaction
 
-from relay import scrub
 from relay.redis import get_redis
 
 GEN_KEY = "relay:catalog:gen"
@@ -22,9 +21,10 @@ if redis.call('EXISTS', KEYS[1]) == 0 then redis.call('SET', KEYS[1], ARGV[1]) e
 return redis.call('INCR', KEYS[1])
 """
 
-# The scrubber's host keys are read again after a catalog write (relay.scrub: its matcher follows the
-# catalog's generation); relay.catalog adds the drop of its cache.
-_listeners: list[Callable[[], None]] = [scrub.catalog_changed]
+# What a bump tells, in this process: relay.catalog drops its cache, and the scrubber reads the host keys
+# again (relay.scrub: its matcher follows the catalog's generation). Both register in the relay app's
+# ready(), so this module imports neither (the catalog models import it).
+_listeners: list[Callable[[], None]] = []
 # A bump whose Redis write failed: retried by this process's next catalog read; meanwhile nothing is
 # served from a cache here, and other processes cannot read the counter either.
 _pending = False
