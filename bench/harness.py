@@ -385,13 +385,17 @@ def claim_redis(url: str) -> None:
     client = _redis(url)
     try:
         keys = client.dbsize()
-        if keys:
+        if keys and os.environ.get("CI") == "true":
+            # CI owns the machine (it runs after the session that used it has ended): what a db holds is left
+            # over by an earlier run, never another run's live state.
+            log(f"CI: flushing {keys} leftover keys in {url}")
+        elif keys:
             owner = client.get(REDIS_MARKER)
             if owner is None or _pid_alive(int(owner)):
                 raise SystemExit(
                     f"Redis {url} holds {keys} keys that are not a finished benchmark's: another run or test "
                     "suite seems to use it. Pick a free db with BENCH_REDIS_DB_LIVE / BENCH_REDIS_DB_BATCH "
-                    "(or flush it yourself if you know it is stale)."
+                    "(the noisy drill: NOISY_REDIS_DB), or flush it yourself if you know it is stale."
                 )
         client.flushdb()
         client.set(REDIS_MARKER, os.getpid())
