@@ -260,7 +260,8 @@ def main() -> int:
             app.start()
         say(
             f"up in {time.monotonic() - started:.0f} s: PostgreSQL, Redis (AOF), provider ({DELAY_MS:.0f} ms) on "
-            f"{t.DB_IP}; web + item worker + control worker on {', '.join(f'{h.name} {h.ip}' for h in topo.apps)}; "
+            f"{t.DB_IP}; web + item worker + control worker + webhook lane on "
+            f"{', '.join(f'{h.name} {h.ip}' for h in topo.apps)}; "
             f"beat on {topo.apps[0].name}; payload store db; lease {t.LEASE_SECONDS} s; "
             f"{'through PgBouncer (transaction mode)' if t.POOLER else 'straight to PostgreSQL (no pooler)'}"
         )

@@ -323,6 +323,8 @@ class AppProcesses:
             ("web", [t.PY, "-m", "relay.webserver", "--bind", f"{h.ip}:{t.WEB_PORT}"]),
             ("worker", [t.PY, "-m", "relay.processes", "worker", "--name", h.name]),
             ("control", [t.PY, "-m", "relay.processes", "control", "--name", h.name]),
+            # The webhook lane, as compose declares it on every app host (relay.processes.fleet).
+            ("webhooks", [t.PY, "-m", "relay.processes", "webhooks", "--name", h.name]),
         ]
         if h.beat:
             roles.append(
