@@ -6,6 +6,7 @@ work offline. A real deployment applies its own catalog with `relay apply`.
 
 import os
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from django.conf import settings
 
@@ -17,14 +18,20 @@ DEMO_FILE = Path(settings.BASE_DIR) / "deploy" / "demo-catalog.yaml"
 DEMO_KEY_FILE = "demo-relay-key.txt"
 
 
+def on_upstream(doc: dict, upstream: str) -> dict:
+    """The demo catalog with every host on the demo upstream's origin, keeping the path a kind's endpoint has
+    (Gemini's /v1beta/openai): the fakes answer each kind under its provider's own paths."""
+    for host in doc.get("hosts", []):
+        path = urlsplit(host.get("base_url") or "").path.rstrip("/")
+        host["base_url"] = upstream.rstrip("/") + path
+    return doc
+
+
 def seed_demo() -> str:
     """Apply the demo catalog; create the demo relay key once. Returns its plaintext."""
     os.environ.setdefault("RELAY_HOSTKEY_DEMO", "demo-upstream-key")
     doc = load_file(str(DEMO_FILE))
-    upstream = os.environ.get("RELAY_DEMO_UPSTREAM_URL", "http://127.0.0.1:8090")
-    for host in doc.get("hosts", []):
-        host["base_url"] = upstream
-    apply_config(doc)
+    apply_config(on_upstream(doc, os.environ.get("RELAY_DEMO_UPSTREAM_URL", "http://127.0.0.1:8090")))
     key_path = Path(settings.BASE_DIR) / ".relay-embedded" / DEMO_KEY_FILE
     sa = ServiceAccount.objects.get(project__name="demo", name="demo-client")
     if key_path.exists():

@@ -275,14 +275,13 @@ def test_the_demo_catalog_has_a_host_of_each_cloud_kind_and_each_answers(fake, m
     from django.conf import settings
 
     from relay.config_apply import load_file
+    from relay.demo import on_upstream
     from relay.models import ServiceAccount
     from relay.services import create_relay_key
 
     doc = load_file(str(Path(settings.BASE_DIR) / "deploy" / "demo-catalog.yaml"))
-    for host in doc["hosts"]:
-        host["base_url"] = host["base_url"].replace("http://127.0.0.1:8090", fake.url)
     monkeypatch.setenv("RELAY_HOSTKEY_DEMO", "demo-upstream-key")
-    apply_config(doc)
+    apply_config(on_upstream(doc, fake.url))  # as `make run` seeds it (relay.demo.seed_demo)
     assert {"azure_openai", "gemini", "openai_compatible"} <= set(Host.objects.values_list("kind", flat=True))
     _, key = create_relay_key(service_account=ServiceAccount.objects.get(name="demo-client"), name="t")
     for model, path in (
