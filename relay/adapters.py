@@ -40,12 +40,19 @@ _BASE_HEADERS = {"Content-Type": "application/json", "Accept": "application/json
 
 
 def upstream_request(binding, path: str, key_value: str, body: bytes, inbound_headers=None, *, key=None):
-    """(URL, headers) of one live call of relay path `path` through `binding`: its host's kind builds both."""
+    """(URL, headers, body) of one live call of relay path `path` through `binding`: its host's kind builds all three
+    (the body in the kind's envelope: relay.hostkinds.base.HostKind.request)."""
     kind = hostkinds.of(binding.host, binding.adapter)
-    url = kind.url(binding.host, binding, path)
+    url, body = kind.request(binding.host, binding, path, body)
     headers = {**_BASE_HEADERS, **kind.forwarded_headers(inbound_headers, binding)}
-    headers.update(kind.auth_headers(key_value, key=key, body=body, url=url))
-    return url, headers
+    headers.update(kind.call_headers(binding.host, key_value, key=key, body=body, url=url))
+    return url, headers, body
+
+
+def stream_reader(binding, stream):
+    """A streamed answer's body as server-sent events in the provider's own shape (relay.streaming reads it): as
+    it came, unless the binding's host kind streams in another framing (Bedrock's AWS event stream)."""
+    return hostkinds.of(binding.host, binding.adapter).stream_reader(stream)
 
 
 def check_served(binding, path: str) -> None:

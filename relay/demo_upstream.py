@@ -410,6 +410,9 @@ class _Handler(BaseHTTPRequestHandler):
     disable_nagle_algorithm = True
     # Headers a cloud fake adds to this request's answer (relay.demo_clouds: Azure's quota headers).
     extra_headers: dict = {}  # noqa: RUF012 - replaced per request, never mutated
+    # A cloud fake's framing of streamed events and its content type (relay.demo_clouds: Bedrock's event stream).
+    frame = None
+    frame_type = ""
 
     def log_message(self, fmt, *args):  # keep test output quiet
         pass
@@ -427,7 +430,7 @@ class _Handler(BaseHTTPRequestHandler):
         key = self.headers.get("x-api-key") or self.headers.get("Authorization", "").removeprefix("Bearer ")
         asked, cloud = self.path, None
         if srv.clouds.handles(self.path):  # a cloud's path: checked as its provider does, answered as the OpenAI call
-            cloud = srv.clouds.admit(self.path, self.headers, body)
+            cloud = srv.clouds.admit(self.path, self.headers, body, raw)
             key, self.path = cloud.key, cloud.path or self.path
         with srv.lock:
             srv.received.append({"path": asked, "headers": dict(self.headers.items()), "body": body, "key": key})
@@ -438,6 +441,7 @@ class _Handler(BaseHTTPRequestHandler):
                 srv.clouds.refuse(self, cloud.refusal)
             else:
                 self.extra_headers = cloud.headers if cloud is not None else {}
+                self.frame, self.frame_type = (cloud.frame, cloud.content_type) if cloud is not None else (None, "")
                 self._answer(srv, key, body, raw)
         finally:
             with srv.lock:
@@ -498,7 +502,8 @@ class _Handler(BaseHTTPRequestHandler):
             srv.stopping.wait(reply.delay)
         if self.path not in KNOWN_PATHS and reply.body is None and reply.raw is None:
             reply = Reply(status=404, body={"error": {"message": f"no route {self.path}", "type": "not_found"}})
-        streamed = body.get("stream") is True and reply.body is None and reply.raw is None and reply.status == 200
+        asked = body.get("stream") is True or self.frame is not None  # Bedrock: the path asks, not the body
+        streamed = asked and reply.body is None and reply.raw is None and reply.status == 200
         try:
             if streamed and self.path in STREAMED_PATHS:
                 return self._stream(srv, reply, *canned_events(self.path, body))
@@ -529,7 +534,7 @@ class _Handler(BaseHTTPRequestHandler):
         that closes the connection mid-stream ends it (and counts in `closed_by_client`), as a provider
         stops generating for a caller who left."""
         self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream; charset=utf-8")
+        self.send_header("Content-Type", self.frame_type or "text/event-stream; charset=utf-8")
         self.send_header("Transfer-Encoding", "chunked")
         self.send_header("Cache-Control", "no-cache")
         for name, value in reply.headers.items():
@@ -543,6 +548,7 @@ class _Handler(BaseHTTPRequestHandler):
                     time.sleep(reply.event_delay)
                 if i == first + 1 and reply.stream_gate is not None and not self._hold(reply.stream_gate, 120):
                     return  # the caller left while the stream was quiet (counted by _hold)
+                event = self.frame(event) if self.frame is not None else event
                 self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
             self.wfile.write(b"0\r\n\r\n")
         except (BrokenPipeError, ConnectionResetError):

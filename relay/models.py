@@ -289,17 +289,8 @@ class HostKey(models.Model):
 
     @staticmethod
     def env_problem(name: str) -> str:
-        """Why a host key may not read environment variable `name` ("" when it may)."""
-        from django.conf import settings
-
-        if not name:
-            return ""
-        prefix = settings.RELAY_HOSTKEY_ENV_PREFIX
-        if not name.startswith(prefix) or len(name) == len(prefix):
-            return f"environment variable {name} does not start with {prefix} (RELAY_HOSTKEY_ENV_PREFIX)"
-        if name in _RELAY_OWN_SECRETS:
-            return f"environment variable {name} holds one of the relay's own secrets"
-        return ""
+        """Why a host key may not read environment variable `name` ("" when it may): hostkinds.env_problem."""
+        return hostkinds.env_problem(name)
 
     def set_value(self, plaintext: str) -> None:
         self.value_encrypted = crypto.encrypt(plaintext)
@@ -327,12 +318,6 @@ class HostKey(models.Model):
         value = crypto.decrypt(self.value_encrypted)
         self.__dict__["_value_memo"] = (self.value_encrypted, value)
         return value
-
-
-# Never a host key's value, whatever the prefix is set to.
-_RELAY_OWN_SECRETS = frozenset(
-    {"RELAY_MASTER_KEY", "RELAY_ADMIN_TOKEN", "SECRET_KEY", "DATABASE_URL", "REDIS_URL", "CELERY_BROKER_URL"}
-)
 
 
 class RelayKey(models.Model):

@@ -365,7 +365,6 @@ def _dispatch(call: Call, ctx: dict, started: float, streamed: bool = False) -> 
             try:
                 resp = send(
                     *adapters.upstream_request(route.binding, path, key_value, payload, call.inbound_headers, key=key),
-                    payload,
                     deadline=call.deadline,
                     cancel=call.cancel,
                 )
@@ -397,6 +396,7 @@ def _dispatch(call: Call, ctx: dict, started: float, streamed: bool = False) -> 
                 # provider's token quotas (what the provider said is learned now).
                 breaker.record_success(cand.key_hash)
                 provider_limits.learn(cand.key_hash, resp.headers)
+                resp = adapters.stream_reader(route.binding, resp)  # as server-sent events (Bedrock's are not)
                 handed_over = True
                 outcome = _finish(
                     call,

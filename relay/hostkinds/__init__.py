@@ -5,6 +5,7 @@
     anthropic.py         anthropic                                                      (base)
     azure_openai.py      azure_openai                                                   (base)
     gemini.py            gemini                                                         (base)
+    bedrock.py           bedrock                                                        (base)
     __init__.py          REGISTRY: name → kind; `get()`, `of()`                          (the above)
 
 Callers (relay.adapters, the pipeline through it, `relay apply`, the admin) ask the kind; none compares a kind's
@@ -14,14 +15,23 @@ each binding's adapter picks OpenAI's or Anthropic's wire (`NATIVE`), so catalog
 
 from relay.hostkinds.anthropic import AnthropicKind
 from relay.hostkinds.azure_openai import AzureOpenAIKind
-from relay.hostkinds.base import HostKind, Option
+from relay.hostkinds.base import HostKind, Option, env_problem
+from relay.hostkinds.bedrock import BedrockKind
 from relay.hostkinds.gemini import GeminiKind
 from relay.hostkinds.openai import OpenAICompatibleKind, OpenAIKind
 
-__all__ = ["NATIVE", "REGISTRY", "HostKind", "Option", "choices", "get", "of"]
+__all__ = ["NATIVE", "REGISTRY", "HostKind", "Option", "choices", "env_problem", "get", "of"]
 
 REGISTRY: dict[str, HostKind] = {
-    kind.name: kind for kind in (OpenAIKind(), AnthropicKind(), OpenAICompatibleKind(), AzureOpenAIKind(), GeminiKind())
+    kind.name: kind
+    for kind in (
+        OpenAIKind(),
+        AnthropicKind(),
+        OpenAICompatibleKind(),
+        AzureOpenAIKind(),
+        GeminiKind(),
+        BedrockKind(),
+    )
 }
 
 # A host without a kind: the kind its binding's adapter names (the two wires the relay spoke before kinds).

@@ -41,7 +41,7 @@ class HostKind:
     adapters: frozenset = frozenset()
     paths: frozenset = frozenset()
     # The streaming wire of its answers: "sse" (server-sent events, relayed as they come). A kind whose provider
-    # streams another framing (AWS event streams) names it here, and the streaming code asks for its decoder.
+    # streams another framing (AWS event streams) names it here and turns it back into SSE in `stream_reader`.
     stream_wire: str = "sse"
     # Whether `headers` needs the request's body and URL (a signature over them, as SigV4 is).
     signs_body: bool = False
@@ -60,9 +60,24 @@ class HostKind:
         """The provider URL of relay path `path` (`/v1/chat/completions`) for `binding` on `host`."""
         raise NotImplementedError
 
+    def request(self, host, binding, path: str, body: bytes) -> tuple[str, bytes]:
+        """The URL and the bytes sent for one call: `url()` and the body as the pipeline made it. A kind whose
+        provider takes the same shape in another envelope (Bedrock: the model in the path, not the body) says so."""
+        return self.url(host, binding, path), body
+
     def auth_headers(self, key_value: str, *, key=None, body: bytes = b"", url: str = "") -> dict:
         """The credential headers of one call (a signing kind signs `body` sent to `url`)."""
         raise NotImplementedError
+
+    def call_headers(self, host, key_value: str, *, key=None, body: bytes = b"", url: str = "") -> dict:
+        """The credential headers of one live call to `host`: `auth_headers`, unless the kind's signature needs the
+        host's own settings (Bedrock: the access key id and the region)."""
+        return self.auth_headers(key_value, key=key, body=body, url=url)
+
+    def stream_reader(self, stream):
+        """The open upstream stream (`read()`, `more_waiting()`, `close()`, `status`, `headers`) as one whose
+        `read()` gives server-sent events in the provider's own shape. Default: as it is (the provider's are SSE)."""
+        return stream
 
     def forwarded_headers(self, inbound_headers, binding) -> dict:
         """The caller's headers that reach this provider (none unless a kind says so)."""
@@ -119,3 +134,25 @@ def base_of(base_url: str) -> str:
 def endpoint_of(path: str) -> str:
     """`/v1/chat/completions` → `chat/completions`: the endpoint under a provider's own prefix."""
     return path.removeprefix("/v1/")
+
+
+# Never a provider secret's variable, whatever the prefix is set to.
+_RELAY_OWN_SECRETS = frozenset(
+    {"RELAY_MASTER_KEY", "RELAY_ADMIN_TOKEN", "SECRET_KEY", "DATABASE_URL", "REDIS_URL", "CELERY_BROKER_URL"}
+)
+
+
+def env_problem(name: str) -> str:
+    """Why the relay may not read environment variable `name` as a provider secret ("" when it may): a host key's
+    value_env and a kind's secret settings (a Bedrock host's session token) alike. Only the operator-declared
+    prefix (RELAY_HOSTKEY_ENV_PREFIX), never the relay's own secrets."""
+    from django.conf import settings
+
+    if not name:
+        return ""
+    prefix = settings.RELAY_HOSTKEY_ENV_PREFIX
+    if not name.startswith(prefix) or len(name) == len(prefix):
+        return f"environment variable {name} does not start with {prefix} (RELAY_HOSTKEY_ENV_PREFIX)"
+    if name in _RELAY_OWN_SECRETS:
+        return f"environment variable {name} holds one of the relay's own secrets"
+    return ""
