@@ -38,6 +38,7 @@ catalog's values reloaded differ, when a catalog write bumps the generation (rel
 import base64
 import binascii
 import logging
+import os
 import re
 import threading
 import time
@@ -114,6 +115,13 @@ def _reload_catalog() -> None:
     except Exception:  # no database (a management command, a test without db): keep what is known
         log.debug("could not load host keys for scrubbing", exc_info=True)
         return
+    # Every variable under the host-key prefix is a provider secret the operator declared, whether a host key
+    # reads it (value_env) or a host kind does (a Bedrock host's session token): scrubbed alike.
+    from django.conf import settings
+
+    prefix = getattr(settings, "RELAY_HOSTKEY_ENV_PREFIX", "")
+    if prefix:
+        values.update(v for name, v in os.environ.items() if name.startswith(prefix))
     loaded = frozenset(v for v in values if len(v) >= MIN_LENGTH)
     if loaded != _catalog:
         with _lock:

@@ -377,3 +377,15 @@ def test_ordinary_bodies_pass_unchanged():
             assert scrub.scrub_bytes(body, load=False) == body
     finally:
         scrub.forget_all()
+
+
+@pytest.mark.django_db
+def test_every_variable_under_the_host_key_prefix_is_scrubbed_whoever_reads_it(monkeypatch, catalog):
+    # A Bedrock host's session token is read by its host kind, not by a host key's value_env: scrubbed alike.
+    monkeypatch.setenv("RELAY_HOSTKEY_BEDROCK_SESSION", "aws-session-token-value-0123456789")
+    scrub.forget_all()
+    try:
+        text = "provider echoed aws-session-token-value-0123456789"
+        assert scrub.scrub_text(text) == f"provider echoed {scrub.REDACTED}"
+    finally:
+        scrub.forget_all()
