@@ -25,6 +25,7 @@ retry and a fresh timestamp and signature each time; receivers dedupe on the web
   from an outage gets its backlog within about a probe interval, however long the backoff.
 """
 
+import asyncio
 import atexit
 import logging
 import os
@@ -122,7 +123,7 @@ def signing_keys(endpoint: WebhookEndpoint, now) -> list[str]:
 def prepare(url: str) -> netguard.Pin | str:
     """The checked, pinned destination of an attempt, or why it may not be sent (a failed attempt)."""
     try:
-        return guard.resolve(url)
+        return guard.pinned(url)
     except (guard.Blocked, guard.Unresolvable) as exc:
         return f"refused: {exc.message}"
 
@@ -139,23 +140,58 @@ def _timeouts() -> httpx2.Timeout:
     )
 
 
-async def _post(pin: netguard.Pin, headers: dict, body: bytes, total: float, timeouts) -> tuple[int, bytes]:
-    client, _budget = netguard.pinned_client(
+# Keep-alive connections, one pool per endpoint (never shared between endpoints: one tenant's receiver that holds
+# its connections must not hold another endpoint's), bound to the endpoint's current pin (guard.pinned): when the
+# pin is renewed with other addresses, or the pool is older than the pin's age, a new pool takes over and the old
+# one is closed once its attempts in flight have ended. A fresh connection per POST cost a TCP handshake and a
+# client's set-up each time, most of an attempt's CPU. The pools live on the loop's thread only.
+POOL_MAX_AGE_SECONDS = guard.PIN_SECONDS
+# An idle pooled connection is closed after this: under the shortest idle timeout common receivers use (Node.js
+# closes after 5 s), so a connection is rarely reused just as the receiver closes it (that attempt would fail,
+# and be retried).
+KEEPALIVE_SECONDS = 4.0
+_pools: dict = {}  # endpoint id -> [pin, client, created (monotonic), last used (monotonic)]
+
+
+def _pool_for(endpoint_id, pin: netguard.Pin, total: float) -> httpx2.AsyncClient:
+    now = time.monotonic()
+    held = _pools.get(endpoint_id)
+    if held is not None and held[0] == pin and now - held[2] < POOL_MAX_AGE_SECONDS:
+        held[3] = now
+        return held[1]
+    if held is not None:
+        _retire(held[1], total)
+    for key, (_pin, client, created, used) in list(_pools.items()):
+        if now - used > POOL_MAX_AGE_SECONDS or now - created > 2 * POOL_MAX_AGE_SECONDS:
+            del _pools[key]
+            _retire(client, total)
+    client = guard.pooled_client(
         pin,
-        timeout=total,
         max_bytes=_WIRE_BYTES,
-        headers={"User-Agent": USER_AGENT, "Content-Type": "application/json", **headers},
+        max_connections=settings.RELAY_WEBHOOK_ENDPOINT_IN_FLIGHT,
+        keepalive=KEEPALIVE_SECONDS,
+        headers={"User-Agent": USER_AGENT, "Content-Type": "application/json"},
     )
-    client.timeout = timeouts
-    async with client:
-        with anyio.fail_after(total):
-            async with client.stream("POST", pin.target.url, content=body) as response:
-                head = b""
-                async for chunk in response.aiter_raw():
-                    head += chunk
-                    if len(head) >= HEAD_BYTES:
-                        break
-                return response.status_code, head[:HEAD_BYTES]
+    _pools[endpoint_id] = [pin, client, now, now]
+    return client
+
+
+def _retire(client: httpx2.AsyncClient, after: float) -> None:
+    """Close a pool no new attempt uses, once the attempts still on it have ended (each within `after`)."""
+    loop = asyncio.get_running_loop()
+    loop.call_later(after + 1.0, lambda: loop.create_task(client.aclose()))
+
+
+async def _post(endpoint_id, pin: netguard.Pin, headers: dict, body: bytes, total: float, timeouts) -> tuple:
+    client = _pool_for(endpoint_id, pin, total)
+    with anyio.fail_after(total):
+        async with client.stream("POST", pin.target.url, content=body, headers=headers, timeout=timeouts) as response:
+            head = b""
+            async for chunk in response.aiter_raw():
+                head += chunk
+                if len(head) >= HEAD_BYTES:
+                    break
+            return response.status_code, head[:HEAD_BYTES]
 
 
 # This process's event loop for the POSTs: anyio's blocking portal, a daemon thread started once per process
@@ -170,6 +206,7 @@ def _in_loop(fn, *args):
             _loop["cm"] = anyio.from_thread.start_blocking_portal()  # kept: the portal lives as long as it does
             _loop["portal"] = _loop["cm"].__enter__()
             _loop["pid"] = os.getpid()
+            _pools.clear()  # a forked process's copies belong to its parent's loop
             atexit.register(_close_loop, os.getpid())
         portal = _loop["portal"]
     return portal.call(fn, *args)
@@ -192,7 +229,7 @@ def send(target: netguard.Pin | str, endpoint: WebhookEndpoint, webhook_id: str,
             answer.error = target
         else:
             headers = signing.headers(webhook_id, int(time.time()), body, signing_keys(endpoint, started))
-            status, head = _in_loop(_post, target, headers, body, total, _timeouts())
+            status, head = _in_loop(_post, endpoint.pk, target, headers, body, total, _timeouts())
             answer.status_code, answer.head = status, head.decode("utf-8", "replace")
             if 300 <= status < 400:
                 answer.error = f"answered {status}: redirects are not followed"
