@@ -140,7 +140,7 @@ SPREAD_MODULES = {"test_batch_real_world", "test_batch_durability"}
 LONG_POLE = "test_a_rate_limited_provider_is_paced_not_failed"
 # Seconds, measured: the tests far longer than their tier's usual (a tier's usual is TIER_SECONDS).
 LONG_TESTS = {
-    LONG_POLE: 105,  # 1,000 items at 10/s
+    LONG_POLE: 40,  # 300 items at 10/s (37-46 s measured on a loaded machine)
     "test_worker_killed_mid_batch_loses_nothing_and_never_reruns_completed_items": 13,
     "test_redis_flushed_mid_batch_loses_nothing": 10,
     "test_work_resumes_promptly_after_a_postgresql_restart": 10,
@@ -289,17 +289,82 @@ def worker_env():
     return {}
 
 
+class _SharedFleet:
+    """One fleet for the tests whose `worker` runs with the default environment: a fleet takes seconds of
+    both cores to boot, so it is started once per xdist worker rather than once per module, and kept
+    running from one module that asks for it to the next. It runs only where a module's own fleet ran: from
+    a module's first test that asks for `worker` to the module's end, and never beside a fleet a test starts
+    itself (a fleet left running would claim the items and tasks of in-process tests, and double the slots
+    of tests that count them). Between tests it is what a module's own fleet was between its tests: the
+    database emptied under it, its broker flushed (`_clean_redis`)."""
+
+    def __init__(self):
+        self.fleet = None
+        self.module = None  # the module whose test took it last
+
+    def take(self, db_url: str, module: str):
+        from tests.workers import Worker
+
+        if self.fleet is None or not self.fleet.alive():  # a test that killed it leaves the next one a new one
+            self.stop()
+            self.fleet = Worker(db_url, "shared")
+        self.module = module
+        return self.fleet
+
+    def stop(self) -> None:
+        self.module = None
+        if self.fleet is not None:
+            self.fleet.stop()
+            self.fleet = None
+
+
+_shared_fleet = _SharedFleet()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Before a test's fixtures: the shared fleet stops for a test that does not ask for `worker` when the
+    test starts fleets of its own or belongs to a module that has not taken the fleet."""
+    names = item.fixturenames
+    if "worker" not in names and ("workers" in names or _module_name(item) != _shared_fleet.module):
+        _shared_fleet.stop()
+
+
+@pytest.fixture(scope="session")
+def _shared_fleet_session(django_db_setup):
+    """Stops the shared fleet at the session's end, before the test database is dropped."""
+    yield _shared_fleet
+    _shared_fleet.stop()
+
+
 @pytest.fixture(scope="module")
-def worker(request, django_db_setup, django_db_blocker, worker_env):
-    """The relay's background processes (item worker, control worker, beat) for a test module."""
+def _module_fleet(request, django_db_setup, worker_env, _shared_fleet_session):
+    """A module's own fleet when it sets an environment of its own (`worker_env`), else None."""
     from django.db import connection
 
     from tests.workers import Worker, database_url
 
+    if not worker_env:
+        yield None
+        return
+    _shared_fleet_session.stop()  # never two fleets on one broker
     name = request.module.__name__.rsplit(".", 1)[-1].replace("_", "-")
     w = Worker(database_url(connection.settings_dict), name, extra_env=worker_env)
     yield w
     w.stop()
+
+
+@pytest.fixture
+def worker(request, _module_fleet, _shared_fleet_session):
+    """The relay's background processes (item worker, control worker, webhook lane, beat): the module's own
+    fleet when it sets an environment (`worker_env`), else the shared one."""
+    if _module_fleet is not None:
+        return _module_fleet
+    from django.db import connection
+
+    from tests.workers import database_url
+
+    return _shared_fleet_session.take(database_url(connection.settings_dict), _module_name(request.node))
 
 
 @pytest.fixture

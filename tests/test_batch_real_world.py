@@ -2,9 +2,11 @@
 
 A fake provider that enforces a per-key rate and answers some requests 500;
 a worker frozen (SIGSTOP) inside its finishing transaction; control work while
-every item slot is busy; PostgreSQL restarted mid-batch. Each test starts the
-relay's background processes as production does (relay.processes) and checks
-what must hold: nothing lost, nothing billed twice, every item finished.
+every item slot is busy; PostgreSQL restarted mid-batch. Each test runs the
+relay's background processes as production does (relay.processes): a fleet of
+its own where it kills, freezes, configures or inspects one, else the shared
+fleet (`worker`, tests/conftest.py). Each checks what must hold: nothing lost,
+nothing billed twice, every item finished.
 Throughput is printed for the record, never asserted (benchmarks measure it).
 """
 
@@ -86,12 +88,16 @@ def two_keys(catalog):
     PolicyHostKey.objects.filter(policy=catalog.policy, host_key=catalog.keys[2]).delete()
 
 
-def test_a_rate_limited_provider_is_paced_not_failed(workers, catalog, fake):
-    """Two keys, 5 requests/s each, 429 beyond that: every record succeeds, almost no 429s."""
+def test_a_rate_limited_provider_is_paced_not_failed(worker, catalog, fake):
+    """Two keys, 5 requests/s each, 429 beyond that: every record succeeds, almost no 429s.
+
+    300 records are 30 windows of the provider's limit: the pacing is held for 30 s, long past the first
+    window's burst. The long form (any number of records, drain rate against the limit) is the benchmark's
+    rate-limited provider: `BENCH_ONLY=batch BENCH_RL_ITEMS=1000 make bench` (bench/batch_capacity.py)."""
     two_keys(catalog)
     fake.limit_rate(5)
-    w = workers("paced")
-    n = 1000
+    w = worker
+    n = 300
     batch = openai_batch(catalog, [f"paced {i}" for i in range(n)])
     started = time.monotonic()
     wait_for(lambda: status(batch) in ("completed", "failed", "expired"), 400, interval=1, what="the batch")
@@ -128,8 +134,7 @@ def test_transient_failures_are_retried_and_hopeless_items_end_with_their_histor
     assert_billed_once(batch)
 
 
-def test_a_native_batch_without_the_opt_in_keeps_the_spec(workers, catalog, fake):
-    workers("native-spec")
+def test_a_native_batch_without_the_opt_in_keeps_the_spec(worker, catalog, fake):
     fake.answer_when("<fails>", Reply(status=500))
     batch = native_batch(catalog, 3, content="<fails>")
     wait_for(lambda: Batch.objects.get(pk=batch.pk).completed_at, 30, what="the batch")
@@ -138,9 +143,9 @@ def test_a_native_batch_without_the_opt_in_keeps_the_spec(workers, catalog, fake
     assert_billed_once(batch)
 
 
-def test_control_work_is_prompt_while_every_item_slot_is_busy(workers, catalog, fake):
+def test_control_work_is_prompt_while_every_item_slot_is_busy(worker, catalog, fake):
     """Validation, expiry and finalization ride their own queue: 8 slow items don't hold them up."""
-    w = workers("busy")
+    w = worker
     gate = threading.Event()
     fake.answer_when("<slow>", Reply(gate=gate))
     slow = native_batch(catalog, 8, content="<slow>")
@@ -247,10 +252,10 @@ def test_work_resumes_promptly_after_a_postgresql_restart(workers, catalog, fake
     assert_billed_once(batch)
 
 
-def test_cancel_closes_the_running_calls_and_never_exceeds_8_per_worker(workers, catalog, fake):
+def test_cancel_closes_the_running_calls_and_never_exceeds_8_per_worker(worker, catalog, fake):
     """The provider sees every running request's connection closed soon after a cancel (it stops
     generating billable tokens), and the freed slots start new work only after that."""
-    w = workers("cancel")
+    w = worker
     fake.answer_when("<held>", Reply(hang=True))
     first = native_batch(catalog, 12, content="<held>")
     wait_for(lambda: fake.in_flight == 8, 30, what="8 held calls")
