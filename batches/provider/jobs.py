@@ -42,7 +42,7 @@ from relay.crypto import SecretUnavailable, sha256_hex
 from relay.errors import RelayError
 from relay.models import BatchMode, HostBinding, HostKey
 from relay.upstream import UpstreamError
-from usage import budgets
+from usage import budgets, job_budgets
 from usage.tokens import worst_case
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ def _release_ended_holds(limit: int) -> int:
     ).values_list("id", "budget_hold")[:limit]:
         with transaction.atomic():
             if ProviderJob.objects.filter(pk=job_id, budget_hold__isnull=False).update(budget_hold=None):
-                budgets.release_job_hold(held)
+                job_budgets.release_job_hold(held)
                 n += 1
     if n:
         log.warning("gave back the budget reservations of %d ended provider job(s)", n)
@@ -138,7 +138,7 @@ def _end(job: ProviderJob, frm: str, **fields) -> bool:
     held = job.budget_hold
     if not _set(job, frm, budget_hold=None, **fields):
         return False
-    budgets.release_job_hold(held)
+    job_budgets.release_job_hold(held)
     return True
 
 
@@ -404,7 +404,7 @@ def _reserve(job: ProviderJob, principal, batch, worst: int) -> bool:
     longer this process's (nothing is reserved then)."""
     per_record = -(-worst // max(1, job.records))
     with transaction.atomic():
-        held = budgets.reserve_for_job(principal, batch.policy_id, worst, per_record, JOB_HOLD_TTL)
+        held = job_budgets.reserve_for_job(principal, batch.policy_id, worst, per_record, JOB_HOLD_TTL)
         if held is None:
             return True
         if not _set(job, JobStatus.PENDING, budget_hold=held):

@@ -63,7 +63,7 @@ class ProviderJob(models.Model):
     # Who holds the job's step now: a new token each take. A step's writes are fenced on it, so a process
     # whose lease ran out (a second taker has the job) can no longer move it, above all not to `submitting`.
     lease = models.UUIDField(null=True, blank=True)
-    # The spend-budget reservation of the job's records (usage.budgets.reserve_for_job), taken before the
+    # The spend-budget reservation of the job's records (usage.job_budgets.reserve_for_job), taken before the
     # job is sent and given back as its results are written or when it ends: {"holds": [[hold id, period
     # id, nanos]], "budgets": [ids], "per_record": nanos}. Null: nothing reserved (no budget applies).
     budget_hold = models.JSONField(null=True, blank=True)

@@ -17,7 +17,7 @@ from batches.outcomes import Code
 from batches.provider import placement
 from relay import scrub
 from relay.models import BatchMode
-from usage import budgets
+from usage import budgets, job_budgets
 from usage.models import UsageEvent
 from usage.pricing import cost_nano_usd, discounted, provider_batch_cost
 from usage.services import event_row, record_events
@@ -103,7 +103,7 @@ def _charge_budgets(job, events: list[dict], final: int) -> None:
         billed = event.get("billed_cost_nano_usd")
         total += (event.get("cost_nano_usd") if billed is None else billed) or 0
     if job.budget_hold:
-        budgets.settle_job_part(job.budget_hold, final, total)
+        job_budgets.settle_job_part(job.budget_hold, final, total)
     elif total:
         budgets.charge_event({**events[0], "billed_cost_nano_usd": total})
 
