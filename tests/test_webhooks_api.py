@@ -19,7 +19,7 @@ from standardwebhooks import Webhook, WebhookVerificationError
 from batches.lifecycle import states
 from batches.models import Batch, BatchStatus, Surface
 from batches.webhooks import delivery as deliveries
-from batches.webhooks import services
+from batches.webhooks import housekeeping, services
 from batches.webhooks.models import Delivery, DeliveryAttempt, Event, WebhookEndpoint
 from relay.auth import principal_for_key
 from relay.models import ServiceAccount
@@ -412,9 +412,9 @@ def test_a_failing_endpoint_that_answers_again_releases_its_backlog_and_is_probe
     Delivery.objects.update(next_attempt_at=far)
     # Not tried for a probe interval: the sweep makes its next delivery due now.
     WebhookEndpoint.objects.update(last_failure_at=timezone.now() - timedelta(seconds=31))
-    assert deliveries.probe(timezone.now()) == 1
+    assert housekeeping.probe(timezone.now()) == 1
     (probed,) = Delivery.objects.filter(next_attempt_at__lte=timezone.now())
-    assert deliveries.probe(timezone.now()) == 0  # one probe per interval: its next is due already
+    assert housekeeping.probe(timezone.now()) == 0  # one probe per interval: its next is due already
     receiver.default = (200, 0, {}, b"ok")
     assert deliveries.deliver(probed.pk) == "delivered"
     # Back: everything that waited is due now, not at its backoff's end.

@@ -20,7 +20,7 @@ from django.utils import timezone
 
 from batches.models import Batch
 from batches.webhooks import delivery as deliveries
-from batches.webhooks import events, guard, lane, services
+from batches.webhooks import events, guard, housekeeping, lane, services
 from batches.webhooks.models import Delivery, DeliveryAttempt, Event, WebhookEndpoint
 from relay.auth import principal_for_key
 from relay.models import ServiceAccount
@@ -254,13 +254,13 @@ def test_retention_prunes_old_delivered_and_failed_deliveries_never_pending_ones
     Delivery.objects.filter(pk=new_ok).update(outcome="delivered", delivered_at=now, last_attempt_at=now)
     for pk in (old_ok, old_failed):
         DeliveryAttempt.objects.create(delivery_id=pk, number=1, started_at=long_ago, duration_ms=1)
-    assert deliveries.prune(now) == 2
+    assert housekeeping.prune(now) == 2
     assert set(Delivery.objects.values_list("id", flat=True)) == {old_pending, new_ok}
     assert DeliveryAttempt.objects.count() == 0 and Event.objects.count() == 2  # their events went with them
-    assert deliveries.prune(now) == 0
+    assert housekeeping.prune(now) == 0
     settings.RELAY_WEBHOOK_RETENTION_SECONDS = 0  # keep everything
     Delivery.objects.filter(pk=new_ok).update(last_attempt_at=long_ago)
-    assert deliveries.prune(now) == 0
+    assert housekeeping.prune(now) == 0
 
 
 @pytest.mark.django_db
@@ -277,7 +277,7 @@ def test_a_paused_endpoints_backlog_is_kept_for_its_resume_but_not_past_retentio
     now = timezone.now()
     Delivery.objects.filter(pk__in=[old, *theirs]).update(schedule_from=now - timedelta(hours=2))
     assert lane.pick(100, 0) == theirs  # the paused endpoint's deliveries are never picked
-    deliveries.prune(now)
+    housekeeping.prune(now)
     states = dict(Delivery.objects.values_list("id", "outcome"))
     # Past retention on a paused endpoint: failed (pruned a retention later); the recent one waits for a resume;
     # a live endpoint's pending delivery is never touched, however old.

@@ -22,7 +22,7 @@ for at most one attempt's timeouts, while every other tenant's deliveries go on.
 
 The lane wakes when an event commits (outbox.wake, a Redis list), when an attempt finishes, and at least
 every RELAY_WEBHOOK_POLL_SECONDS. It also runs the housekeeping: probes of failing endpoints and the retention
-of settled deliveries (delivery.probe, delivery.prune).
+of settled deliveries (housekeeping.probe, housekeeping.prune).
 """
 
 import logging
@@ -39,7 +39,7 @@ from django.conf import settings
 from django.db import close_old_connections, connection
 from django.utils import timezone
 
-from batches.webhooks import delivery, outbox
+from batches.webhooks import delivery, housekeeping, outbox
 from batches.webhooks.models import Delivery, WebhookEndpoint
 from relay.redis import get_redis
 
@@ -49,7 +49,7 @@ RECORDERS = 2
 # Answers one recorder writes in one transaction at most.
 RECORD_BATCH = 200
 # Probes of failing endpoints at least this often (and at most every RELAY_WEBHOOK_PROBE_SECONDS apart per
-# endpoint, which delivery.probe decides).
+# endpoint, which housekeeping.probe decides).
 HOUSEKEEPING_SECONDS = 5.0
 # Between two picks at least this long, so a stream of finished attempts does not become a stream of queries.
 MIN_PICK_GAP_SECONDS = 0.05
@@ -268,10 +268,10 @@ class Lane:
 
     def housekeeping(self) -> None:
         now = timezone.now()
-        delivery.probe(now)
+        housekeeping.probe(now)
         if time.monotonic() - self._pruned >= settings.RELAY_RETENTION_SWEEP_SECONDS:
             self._pruned = time.monotonic()
-            delivery.prune(now)
+            housekeeping.prune(now)
 
     # --- the loop --------------------------------------------------------------------------------
 
