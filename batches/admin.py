@@ -1,4 +1,4 @@
-"""Operator view of batches: progress, items with their request/response, cancel.
+"""Operator view of batches: progress, cancel, retry (the items and files pages: batches/admin_items.py).
 
 OpenAI-surface batches show their own fields too: the batch_… id, endpoint,
 input/output/error files (linked), metadata, validation errors, and each
@@ -10,7 +10,6 @@ made by retry_failed links to the batch it re-runs, and that one to its retries;
 records" action makes one through the same service as the API (batches/surfaces/retry.py).
 """
 
-import contextlib
 import json
 import logging
 
@@ -19,18 +18,16 @@ from django.db.models import Count
 from django.urls import reverse
 from django.utils.html import format_html, format_html_join
 
-from batches import storage
+from batches import admin_items  # noqa: F401 - registers the items' and files' pages
+from batches.admin_display import file_link, pretty, progress_bar, related_links
 from batches.lifecycle import stop
-from batches.models import Attempt, Batch, File, Item, ItemState, Surface
-from batches.provider import placement
+from batches.models import Batch, Item, ItemState, Surface
 from batches.provider.admin import ProviderJobInline  # registers the provider jobs' admin too
 from batches.surfaces import registry, retry
-from batches.surfaces.openai import read as openai_read
 from relay import auth
 from relay.admin_base import (
     SURFACE_NAMES,
     ChoicesFilter,
-    LargeTableAdmin,
     NamedOwnersChangeList,
     ViewOnlyAdmin,
     owner_label,
@@ -39,76 +36,6 @@ from relay.admin_base import (
 from relay.errors import RelayError
 
 log = logging.getLogger(__name__)
-
-_PREVIEW_BYTES = 4096
-
-
-def _preview(ref: str) -> str:
-    if not ref:
-        return ""
-    try:
-        data = storage.read(ref)
-    except storage.PayloadMissing as exc:
-        return f"(missing: {exc})"
-    text = data[:_PREVIEW_BYTES].decode("utf-8", errors="replace")
-    if len(data) <= _PREVIEW_BYTES:
-        try:
-            text = json.dumps(json.loads(data), indent=2, ensure_ascii=False)
-        except ValueError:
-            pass
-    else:
-        text += f"\n… ({len(data)} bytes in all)"
-    return format_html("<pre style='white-space:pre-wrap;max-width:80em'>{}</pre>", text)
-
-
-def _pretty(value) -> str:
-    if value in (None, "", [], {}):
-        return "—"
-    return format_html(
-        "<pre style='white-space:pre-wrap;max-width:80em'>{}</pre>", json.dumps(value, indent=2, ensure_ascii=False)
-    )
-
-
-# completed, discarded, cancelled, running, available
-_BAR_COLOURS = ("#2e7d32", "#c62828", "#9e9e9e", "#1565c0", "#e0e0e0")
-
-
-def progress_bar(counts, label: str) -> str:
-    """A bar of the items' states (widths in whole percent) above the counts, for the changelist."""
-    total = sum(counts) or 1
-    segments = format_html_join(
-        "",
-        '<span title="{}" style="display:inline-block;height:100%;width:{}%;background:{}"></span>',
-        (
-            (name, n * 100 // total if n else 0, colour)
-            for name, n, colour in zip(
-                ("completed", "discarded", "cancelled", "running", "available"), counts, _BAR_COLOURS, strict=True
-            )
-        ),
-    )
-    done = (counts[0] + counts[1] + counts[2]) * 100 // total
-    return format_html(
-        '<div class="relay-progress" style="width:12em;height:.7em;background:#f5f5f5;white-space:nowrap;'
-        'overflow:hidden;border-radius:2px" title="{}% finished">{}</div><small>{}</small>',
-        done,
-        segments,
-        label,
-    )
-
-
-def _file_link(file_id) -> str:
-    if file_id is None:
-        return "—"
-    label = f"file-{file_id.hex}"
-    if not File.objects.filter(pk=file_id).exists():
-        return f"{label} (deleted)"
-    return format_html('<a href="{}">{}</a>', reverse("admin:batches_file_change", args=[file_id]), label)
-
-
-def _search_public_id(queryset, search_term, prefix):
-    """Let the operator paste the id a client sees (batch_… / file-…)."""
-    pk = openai_read.parse_public_id(search_term.strip(), prefix)
-    return queryset.filter(pk=pk) if pk is not None else None
 
 
 class ItemInline(admin.TabularInline):
@@ -167,17 +94,6 @@ class ShapeFilter(ChoicesFilter):
 
     def options(self):
         return list(SHAPE_NAMES.items())
-
-
-def related_links(batch_id) -> str:
-    """A batch's rows in the other lists: its items, provider jobs, usage events and webhook deliveries."""
-    lists = (
-        ("items", "admin:batches_item_changelist", f"batch__id__exact={batch_id}"),
-        ("provider jobs", "admin:batches_providerjob_changelist", f"batch__id__exact={batch_id}"),
-        ("usage events", "admin:usage_usageevent_changelist", f"batch_id={batch_id}"),
-        ("webhook deliveries", "admin:webhooks_delivery_changelist", f"event__batch_id={batch_id}"),
-    )
-    return format_html_join(" · ", '<a href="{}?{}">{}</a>', ((reverse(url), q, label) for label, url, q in lists))
 
 
 class _BatchChangeList(NamedOwnersChangeList):
@@ -334,23 +250,23 @@ class BatchAdmin(ViewOnlyAdmin):
 
     @admin.display(description="input file")
     def input_file(self, obj):
-        return _file_link(obj.input_file_id)
+        return file_link(obj.input_file_id)
 
     @admin.display(description="output file")
     def output_file(self, obj):
-        return _file_link(obj.output_file_id)
+        return file_link(obj.output_file_id)
 
     @admin.display(description="error file")
     def error_file(self, obj):
-        return _file_link(obj.error_file_id)
+        return file_link(obj.error_file_id)
 
     @admin.display(description="metadata")
     def metadata_view(self, obj):
-        return _pretty(obj.metadata)
+        return pretty(obj.metadata)
 
     @admin.display(description="validation errors")
     def errors_view(self, obj):
-        return _pretty(obj.errors)
+        return pretty(obj.errors)
 
     @admin.display(description="all items")
     def items_link(self, obj):
@@ -425,220 +341,3 @@ class BatchAdmin(ViewOnlyAdmin):
         for batch in queryset:
             stop.cancel(batch)
         self.message_user(request, f"Cancelled {queryset.count()} batch(es).")
-
-
-class AttemptInline(admin.TabularInline):
-    """The item's attempt history: every try that reached a provider, and how it ended."""
-
-    model = Attempt
-    fields = (
-        "number",
-        "started_at",
-        "duration_ms",
-        "decision",
-        "outcome",
-        "status_code",
-        "host_key_id",
-        "error",
-        "upstream_error_body",
-    )
-    readonly_fields = fields
-    extra = 0
-    max_num = 0
-    can_delete = False
-    ordering = ("number",)
-
-    @admin.display(description="upstream error body")
-    def upstream_error_body(self, obj):
-        return format_html("<pre style='white-space:pre-wrap'>{}</pre>", obj.error_body) if obj.error_body else ""
-
-    def has_add_permission(self, request, obj=None):
-        return False
-
-
-class PlacementFilter(ChoicesFilter):
-    """Why a record meant for the provider ran in the relay (batches/provider/placement.py)."""
-
-    title = "placement"
-    parameter_name = "placement"
-    field = "placement"
-
-    def options(self):
-        return [(n, n) for n in placement.NOTES]
-
-
-@admin.register(Item)
-class ItemAdmin(LargeTableAdmin):
-    inlines = [AttemptInline]
-    list_display = (
-        "item",
-        "batch_link",
-        "custom",
-        "state",
-        "attempt",
-        "status_code",
-        "error_head",
-        "finished_at",
-        "job_link",
-        "usage_link",
-    )
-    list_filter = ("state", PlacementFilter)
-    search_fields = ("id", "batch__id", "custom_id", "error")
-    list_select_related = ("batch",)
-    fields = (
-        "id",
-        "batch",
-        "idx",
-        "custom_id",
-        "state",
-        "attempt",
-        "retries",
-        "max_attempts",
-        "not_before",
-        "lease_owner",
-        "lease_expires_at",
-        "started_at",
-        "finished_at",
-        "status_code",
-        "error_code",
-        "error",
-        "provider_job",
-        "placement",
-        "usage_link",
-        "request",
-        "response",
-        "upstream_error_body",
-    )
-    readonly_fields = fields
-
-    @admin.display(description="item", ordering="idx")
-    def item(self, obj):
-        return f"#{obj.idx}"
-
-    @admin.display(description="batch")
-    def batch_link(self, obj):
-        public = obj.batch.public_id
-        return format_html(
-            '<a class="relay-id" href="{}" title="{}">{}</a>',
-            reverse("admin:batches_batch_change", args=[obj.batch_id]),
-            public,
-            short_id(public),
-        )
-
-    @admin.display(description="error")
-    def error_head(self, obj):
-        text = obj.error or ""
-        if len(text) <= 80:
-            return format_html('<span class="relay-wrap">{}</span>', text)
-        return format_html('<span class="relay-wrap" title="{}">{}…</span>', text, text[:80])
-
-    @admin.display(description="custom id", ordering="custom_id")
-    def custom(self, obj):
-        return format_html('<span class="relay-wrap">{}</span>', obj.custom_id) if obj.custom_id else "—"
-
-    @admin.display(description="provider job")
-    def job_link(self, obj):
-        if obj.provider_job_id is None:
-            return "—"
-        return format_html(
-            '<a class="relay-id" href="{}">{}</a>',
-            reverse("admin:batches_providerjob_change", args=[obj.provider_job_id]),
-            short_id(obj.provider_job_id),
-        )
-
-    @admin.display(description="usage event")
-    def usage_link(self, obj):
-        # An item's usage event carries its id as request_id (written by the transaction that finishes it).
-        if obj.state not in (ItemState.COMPLETED, ItemState.DISCARDED):
-            return "—"
-        return format_html('<a href="{}?request_id={}">usage</a>', reverse("admin:usage_usageevent_changelist"), obj.pk)
-
-    @admin.display(description="request")
-    def request(self, obj):
-        return _preview(obj.input_ref)
-
-    @admin.display(description="response")
-    def response(self, obj):
-        return _preview(obj.result_ref)
-
-    @admin.display(description="upstream error body")
-    def upstream_error_body(self, obj):
-        return format_html("<pre style='white-space:pre-wrap'>{}</pre>", obj.error_body) if obj.error_body else ""
-
-
-@admin.register(File)
-class FileAdmin(ViewOnlyAdmin):
-    """Files of the OpenAI surface: uploads (purpose batch) and the output/error files batches write."""
-
-    list_display = ("list_id", "purpose", "file_name", "bytes", "owner", "batch_link", "created_at")
-    list_filter = ("purpose", "created_at")
-    search_fields = ("id", "filename", "owner_hash", "credential_id")
-    date_hierarchy = "created_at"
-    show_full_result_count = False
-    fields = (
-        "shown_id",
-        "purpose",
-        "filename",
-        "bytes",
-        "created_at",
-        "batch_link",
-        "owner_hash",
-        "credential_kind",
-        "credential_id",
-        "principal_kind",
-        "principal_id",
-        "project_id",
-        "ref",
-        "content",
-    )
-    readonly_fields = fields
-
-    # Deleting here removes the stored bytes too (batches/retention.py), as DELETE /v1/files/{id} does.
-
-    def get_search_results(self, request, queryset, search_term):
-        found = _search_public_id(queryset, search_term, "file-")
-        if found is not None:
-            return found, False
-        return super().get_search_results(request, queryset, search_term)
-
-    @admin.display(description="id", ordering="id")
-    def shown_id(self, obj):
-        return obj.public_id
-
-    @admin.display(description="id", ordering="id")
-    def list_id(self, obj):
-        return format_html('<span class="relay-id" title="{}">{}</span>', obj.public_id, short_id(obj.public_id))
-
-    @admin.display(description="owner")
-    def owner(self, obj):
-        return getattr(obj, "owner_label", None) or owner_label(obj)
-
-    def get_changelist(self, request, **kwargs):
-        return NamedOwnersChangeList
-
-    @admin.display(description="filename", ordering="filename")
-    def file_name(self, obj):
-        return format_html('<span class="relay-wrap">{}</span>', obj.filename)
-
-    @admin.display(description="batch")
-    def batch_link(self, obj):
-        if obj.batch_id is None:
-            return "—"
-        return format_html(
-            '<a class="relay-id" href="{}" title="batch_{}">batch_{}…</a>',
-            reverse("admin:batches_batch_change", args=[obj.batch_id]),
-            obj.batch_id.hex,
-            obj.batch_id.hex[:8],
-        )
-
-    @admin.display(description="content (first 4 KiB)")
-    def content(self, obj):
-        try:
-            with contextlib.closing(storage.iter_file(obj.ref, chunk_size=_PREVIEW_BYTES)) as chunks:
-                head = next(chunks, b"")[:_PREVIEW_BYTES]
-        except storage.PayloadMissing as exc:
-            return f"(missing: {exc})"
-        text = head.decode("utf-8", errors="replace")
-        if obj.bytes > len(head):
-            text += f"\n… ({obj.bytes} bytes in all)"
-        return format_html("<pre style='white-space:pre-wrap;max-width:80em'>{}</pre>", text)
