@@ -12,7 +12,7 @@ import pytest
 from django.utils import timezone
 
 from batches.models import Item
-from batches.provider import jobs, wire
+from batches.provider import jobs, lease, wire
 from batches.provider.models import OPEN_JOB_STATUSES, JobStatus, ProviderJob
 from relay.demo_upstream import Reply
 from relay.models import HostBinding, HostKey
@@ -226,7 +226,7 @@ def test_a_second_taker_after_the_lease_ran_out_never_creates_an_openai_job_twic
 
 
 def test_a_sender_that_lost_its_lease_mid_body_cuts_the_anthropic_create_off(catalog, provider, monkeypatch):
-    monkeypatch.setattr(jobs, "RENEW_EVERY_S", 0.0)  # time passes between the reads: each read looks
+    monkeypatch.setattr(lease, "RENEW_EVERY_S", 0.0)  # time passes between the reads: each read looks
     batch = anthropic_batch(catalog, [claude("a"), claude("b")])
     job = ProviderJob.objects.get(batch=batch)
     create = wire.AnthropicBatchAPI.create

@@ -20,8 +20,6 @@ backing off to RELAY_PROVIDER_POLL_MAX_SECONDS while the job runs.
 import json
 import logging
 import random
-import time
-import uuid
 from datetime import timedelta
 
 from django.conf import settings
@@ -34,6 +32,11 @@ from batches.lifecycle import delegated, finish, stop
 from batches.models import Batch, Item, ItemState
 from batches.outcomes import Code
 from batches.provider import placement, results, wire
+from batches.provider.lease import FIND_AFTER_S, SEND_LEASE_S
+from batches.provider.lease import end as _end
+from batches.provider.lease import move as _set
+from batches.provider.lease import renewer as _renewer
+from batches.provider.lease import take as _take
 from batches.provider.models import OPEN_JOB_STATUSES, JobStatus, ProviderJob
 from policies import breaker, keypool, ratelimit
 from policies.breaker import Failure
@@ -48,13 +51,9 @@ from usage.tokens import worst_case
 log = logging.getLogger(__name__)
 
 TASK = "provider_job"
-SEND_LEASE_S = 600  # building and uploading up to 200 MB
-# A create whose answer was lost is looked for once no create could still be in flight (its read timeout).
-FIND_AFTER_S = 150
 INGEST_LEASE_S = 300  # renewed every chunk of results written
 RETRY_BASE_S, RETRY_MAX_S = 5.0, 300.0  # a failed send or poll, backing off
 DB_RETRY_S = 2.0  # a step the database failed is tried again this soon
-RENEW_EVERY_S = 10.0  # a send renews its lease (and checks it still holds it) this often while reading out
 # A job's budget reservation lives through the provider's 24 h window, capacity waits and the writing of its
 # results; a job that ends gives it back at once (a reservation outliving its job row expires and is reclaimed).
 JOB_HOLD_TTL = timedelta(hours=48)
@@ -102,63 +101,6 @@ def _release_ended_holds(limit: int) -> int:
     if n:
         log.warning("gave back the budget reservations of %d ended provider job(s)", n)
     return n
-
-
-def _take(job: ProviderJob, status: str, lease_s: float, **fields) -> bool:
-    """The job, for this process, if it is in `status` and its step is due; its lease moved `lease_s` ahead."""
-    now = timezone.now()
-    until = now + timezone.timedelta(seconds=lease_s)
-    lease = uuid.uuid4()
-    taken = ProviderJob.objects.filter(
-        Q(not_before__isnull=True) | Q(not_before__lte=now), pk=job.pk, status=status
-    ).update(not_before=until, lease=lease, **fields)
-    if taken:
-        job.not_before, job.lease, job.status = until, lease, status
-        for name, value in fields.items():
-            if not hasattr(value, "resolve_expression"):
-                setattr(job, name, value)
-    return bool(taken)
-
-
-def _set(job: ProviderJob, frm: str, **fields) -> bool:
-    """Move the job on from `frm`, fenced: only if still there and still this process's (its lease token)."""
-    moved = ProviderJob.objects.filter(pk=job.pk, status=frm, lease=job.lease).update(**fields)
-    if not moved:
-        log.info("job %s: no longer %s under this process's lease: left as it is", job.pk, frm)
-        return False
-    for name, value in fields.items():
-        if not hasattr(value, "resolve_expression"):
-            setattr(job, name, value)
-    return True
-
-
-def _end(job: ProviderJob, frm: str, **fields) -> bool:
-    """`_set` for a move that ends what the job holds of its budgets: what is left of its reservation is
-    given back in the same transaction (call inside one)."""
-    held = job.budget_hold
-    if not _set(job, frm, budget_hold=None, **fields):
-        return False
-    job_budgets.release_job_hold(held)
-    return True
-
-
-def _renewer(job: ProviderJob):
-    """A check for a send in progress: every RENEW_EVERY_S it moves the job's lease on (fenced on its token
-    and status), and raises wire.LeaseLost when another taker has the job."""
-    last = [0.0]
-
-    def check():
-        now = time.monotonic()
-        if now - last[0] < RENEW_EVERY_S:
-            return
-        lease_s = SEND_LEASE_S if job.status == JobStatus.PENDING else FIND_AFTER_S
-        until = timezone.now() + timezone.timedelta(seconds=lease_s)
-        if not ProviderJob.objects.filter(pk=job.pk, status=job.status, lease=job.lease).update(not_before=until):
-            raise wire.LeaseLost(f"job {job.pk}: another process took it while this one was sending it")
-        job.not_before = until
-        last[0] = now
-
-    return check
 
 
 def _why(text: str) -> str:
