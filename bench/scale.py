@@ -1,4 +1,4 @@
-"""What the claim, the finish, the sweeper, /metrics and the admin cost as the tables grow (issue 29).
+"""What the claim, the finish, the sweeper, /metrics and the admin cost as the tables grow.
 
     make bench-scale                  (BENCH_SCALE_SIZES=2000,1000000 by default)
 

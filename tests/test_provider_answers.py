@@ -1,4 +1,4 @@
-"""Provider answers that must not crash, stall or leak (issue 12): Retry-After, host-key echo,
+"""Provider answers that must not crash, stall or leak: Retry-After, host-key echo,
 `openrelay` never forwarded; plus the parsers behind them."""
 
 import json

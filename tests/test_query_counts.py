@@ -33,21 +33,21 @@ runs_items = pytest.mark.django_db(transaction=True)
 CHAT = "/v1/chat/completions"
 
 # Pinned statement counts (see the module docstring).
-# 5 before the catalog cache (issue 11), 2 with it (key lookup + usage insert); the usage insert alone
+# 5 before the catalog cache, 2 with it (key lookup + usage insert); the usage insert alone
 # since the relay key's row is cached with the catalog.
 LIVE_REQUEST = 1
 # Redis round trips of one live request: the key pick (catalog generation, inbound limit, breaker,
 # tier limit, provider quota, LRU) and the success settle. 5 before the generation and the provider
-# quota moved into the pick (issue 11).
+# quota moved into the pick.
 LIVE_REQUEST_REDIS = 2
-# 14 before the catalog cache; 12 with the attempt row; issue 11: the claim in one statement (-2),
+# 14 before the catalog cache; 12 with the attempt row; the claim in one statement (-2),
 # the finish with its attempt row and usage event in one statement (-4: no BEGIN/COMMIT round trips),
 # the relay key's recheck from the catalog cache (-1). The item measured ends its batch: +1 for the webhook
 # endpoints of its owner, looked up before the final move (none here, so the move stays one statement).
 BATCH_ITEM_RUN = 6
 # Redis round trips of one batch item: the key pick (which confirms the catalog generation the
 # credential and the policy were checked with) and the success settle. 3 while the item read the
-# generation first (issue 11).
+# generation first.
 BATCH_ITEM_REDIS = 2
 # In a drain, per item: the key pick, which carries the previous item's success settle (policies.lua.deferring).
 DRAIN_ITEM_REDIS = 1
@@ -59,7 +59,7 @@ DRAIN_PER_ITEM = 2
 # Claiming ahead, the bookkeeper sends an item's finish in front of the next claim, as one query string
 # (keeper._run_pair, finishing.HeldFinish): one round trip per item.
 DRAIN_PER_ITEM_CLAIMING_AHEAD = 1
-# Each one statement less since the relay key's row is cached with the catalog (issue 11).
+# Each one statement less since the relay key's row is cached with the catalog.
 OPENAI_LIST_PAGE = 2
 OPENAI_RETRIEVE = 2
 NATIVE_STATUS = 3

@@ -9,7 +9,7 @@ The binding the record routes to decides (`HostBinding.batch_mode`): `relay` (th
 - (later, batches/provider/jobs.py, auto mode) `provider_capacity` and `provider_expired`.
 
 A record that does not route (unknown model, no grant, no key) stays in the relay, where it fails exactly as
-it would have. The native surface always runs in the relay (spec 000: "Relay runs every item itself").
+it would have. The native surface always runs in the relay (the native contract: "Relay runs every item itself").
 """
 
 import logging
