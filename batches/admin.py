@@ -14,7 +14,6 @@ import json
 import logging
 
 from django.contrib import admin, messages
-from django.db.models import Count
 from django.urls import reverse
 from django.utils.html import format_html, format_html_join
 
@@ -23,7 +22,7 @@ from batches.admin_display import file_link, pretty, progress_bar, related_links
 from batches.lifecycle import stop
 from batches.models import Batch, Item, ItemState, Surface
 from batches.provider.admin import ProviderJobInline  # registers the provider jobs' admin too
-from batches.surfaces import registry, retry
+from batches.surfaces import common, registry, retry
 from relay import auth
 from relay.admin_base import (
     SURFACE_NAMES,
@@ -63,15 +62,6 @@ class ItemInline(admin.TabularInline):
 _BAR_STATES = (ItemState.COMPLETED, ItemState.DISCARDED, ItemState.CANCELLED, ItemState.RUNNING, ItemState.AVAILABLE)
 
 
-def _item_counts(batch_ids: list) -> dict:
-    """{batch id: {state: items}} of these batches, in one grouped read of the (batch, state) index."""
-    out: dict = {}
-    rows = Item.objects.filter(batch_id__in=batch_ids).values_list("batch_id", "state").annotate(n=Count("pk"))
-    for batch_id, state, n in rows.order_by():
-        out.setdefault(batch_id, {})[state] = n
-    return out
-
-
 class SurfaceFilter(ChoicesFilter):
     """By the products' names (OpenAI, Anthropic, native), not Django's title-cased values ("Openai")."""
 
@@ -103,7 +93,7 @@ class _BatchChangeList(NamedOwnersChangeList):
 
     def get_results(self, request):
         super().get_results(request)
-        counts = _item_counts([b.pk for b in self.result_list])
+        counts = common.item_counts([b.pk for b in self.result_list])
         for b in self.result_list:
             b.item_counts = counts.get(b.pk, {})
 
@@ -236,7 +226,7 @@ class BatchAdmin(ViewOnlyAdmin):
             return progress_bar(counts, " / ".join(str(n) for n in counts) + " (items removed by retention)")
         by_state = getattr(obj, "item_counts", None)
         if by_state is None:  # the change page: this batch's alone
-            by_state = _item_counts([obj.pk]).get(obj.pk, {})
+            by_state = common.item_counts([obj.pk]).get(obj.pk, {})
         counts = tuple(by_state.get(s, 0) for s in _BAR_STATES)
         return progress_bar(counts, " / ".join(str(n) for n in counts))
 

@@ -72,8 +72,9 @@ def in_flight(now: datetime) -> dict:
     finish: the items left at the batch's own drain rate so far (items done / time since it began), or,
     for records at the provider, its jobs' reported progress. Three queries."""
     from batches.lifecycle.states import OPEN
-    from batches.models import Batch, Item
+    from batches.models import Batch
     from batches.provider.models import OPEN_JOB_STATUSES, ProviderJob
+    from batches.surfaces import common
 
     open_q = Q()
     for surface, statuses in OPEN.items():
@@ -85,11 +86,7 @@ def in_flight(now: datetime) -> dict:
         .values("id", "surface", "status", "created_at", "in_progress_at", "total_items")[:IN_FLIGHT_SHOWN]
     )
     ids = [b["id"] for b in shown]
-    counts: dict = {}
-    for batch_id, state, n in (
-        Item.objects.filter(batch_id__in=ids).values_list("batch_id", "state").annotate(n=Count("pk")).order_by()
-    ):
-        counts.setdefault(batch_id, {})[state] = n
+    counts = common.item_counts(ids)
     at_provider = dict(
         ProviderJob.objects.filter(batch_id__in=ids, status__in=OPEN_JOB_STATUSES)
         .values_list("batch_id")

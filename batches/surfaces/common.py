@@ -71,6 +71,16 @@ def counts(batch: Batch) -> dict:
     return {state: n for state, n in rows}
 
 
+def item_counts(batch_ids: list) -> dict:
+    """{batch id: {state: items}} of these batches, in one grouped read of the (batch, state) index (the admin's
+    batches list and the console's batches in flight)."""
+    out: dict = {}
+    rows = Item.objects.filter(batch_id__in=batch_ids).values_list("batch_id", "state").annotate(n=Count("pk"))
+    for batch_id, state, n in rows.order_by():
+        out.setdefault(batch_id, {})[state] = n
+    return out
+
+
 def count_items(qs, kinds: dict[str, Q]):
     """Annotate batches with how many of their items match each kind (`n` per name): a correlated
     subquery per kind on the items' (batch, state) index, so a page of batches is one statement. Also the
