@@ -23,8 +23,8 @@ from batches.lifecycle import stop
 from batches.models import Batch, Item, ItemState, Surface
 from batches.provider.admin import ProviderJobInline  # registers the provider jobs' admin too
 from batches.surfaces import common, registry, retry
-from relay import auth
-from relay.admin_base import (
+from core import auth
+from core.admin_base import (
     SURFACE_NAMES,
     ChoicesFilter,
     NamedOwnersChangeList,
@@ -32,7 +32,7 @@ from relay.admin_base import (
     owner_label,
     short_id,
 )
-from relay.errors import RelayError
+from core.errors import RelayError
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class ShapeFilter(ChoicesFilter):
 class _BatchChangeList(NamedOwnersChangeList):
     """Counts items per state for the page's batches only, after paging: annotating the changelist's
     queryset grouped every item of every batch before the LIMIT (4 s at a million items, bench/scale.py).
-    Owners are named from one set of look-ups for the page (relay.admin_base.owner_labels)."""
+    Owners are named from one set of look-ups for the page (core.admin_base.owner_labels)."""
 
     def get_results(self, request):
         super().get_results(request)

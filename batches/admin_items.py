@@ -12,7 +12,14 @@ from batches import storage
 from batches.admin_display import PREVIEW_BYTES, preview, search_public_id
 from batches.models import Attempt, File, Item, ItemState
 from batches.provider import placement
-from relay.admin_base import ChoicesFilter, LargeTableAdmin, NamedOwnersChangeList, ViewOnlyAdmin, owner_label, short_id
+from core.admin_base import (
+    ChoicesFilter,
+    LargeTableAdmin,
+    NamedOwnersChangeList,
+    ViewOnlyAdmin,
+    owner_label,
+    short_id,
+)
 
 log = logging.getLogger(__name__)
 

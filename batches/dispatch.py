@@ -6,6 +6,9 @@ import logging
 import os
 
 import redis
+
+# The relay's Celery app (relay.celery), current in every process once Django has loaded the shell app.
+from celery import current_app as app
 from django.conf import settings
 from django.db import connection
 from django.utils import timezone
@@ -15,8 +18,7 @@ from kombu.transport.redis import PRIORITY_STEPS, Channel
 from batches.lifecycle.states import CLAIMABLE_SQL, St, due
 from batches.models import Item
 from batches.queues import CONTROL_QUEUE, ITEM_QUEUE, QUEUES  # noqa: F401 - the names, read here
-from relay.celery import app
-from relay.redis import get_redis
+from core.redis import get_redis
 
 log = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ the body parser) is re-shaped with `OpenAIError.of()` so a client of this
 surface never sees the relay's native envelope.
 """
 
-from relay.errors import AnthropicError, RelayError
-from relay.errors import anthropic_error_type as error_type  # noqa: F401 - the surface reads it here
+from core.errors import AnthropicError, RelayError
+from core.errors import anthropic_error_type as error_type  # noqa: F401 - the surface reads it here
 
 
 class OpenAIError(RelayError):
@@ -60,7 +60,7 @@ def no_batch_access() -> OpenAIError:
 # --- the Anthropic-compatible surface: {"type": "error", "error": {"type", "message"}} -----------
 
 
-# AnthropicError and its error types are relay.errors' (the live Anthropic routes answer in them too).
+# AnthropicError and its error types are core.errors' (the live Anthropic routes answer in them too).
 def invalid_anthropic(message: str) -> AnthropicError:
     return AnthropicError(400, message)
 

@@ -13,7 +13,7 @@ already say which surface it is, the caller stores each element as it is parsed
 element (as compact JSON, one per line) to a temporary file, and the surface is
 picked afterwards and reads the spool back.
 
-Duplicate keys: the last one wins, as everywhere the relay reads JSON (relay.jsonguard). For
+Duplicate keys: the last one wins, as everywhere the relay reads JSON (core.jsonguard). For
 `requests` that means a second array replaces the first, never adds to it: elements() raises
 RequestsAgain when one begins after elements were handed out, and the caller drops what it kept
 and reads on (SubmissionReader.spooled, batches.intake.receive).
@@ -31,9 +31,9 @@ import ijson
 from django.conf import settings
 
 from batches.errors import invalid
-from relay import jsonguard
-from relay.errors import RelayError, clipped
-from relay.http import too_large
+from core import jsonguard
+from core.errors import RelayError, clipped
+from core.http import too_large
 
 # However large RELAY_MAX_REQUEST_BYTES is set, one batch body or input line is never read past this.
 HARD_BODY_CAP = 64 * 1024 * 1024
@@ -269,7 +269,7 @@ def _steps(stream):
 
 
 def _guard(value, path: str) -> None:
-    """relay.jsonguard's checks on one element or the top-level keys: a 400 naming the field.
+    """core.jsonguard's checks on one element or the top-level keys: a 400 naming the field.
 
     Raised before the element is re-encoded, so a lone surrogate or a 10,000-deep
     element never reaches json.dumps (it would crash there)."""
@@ -369,7 +369,7 @@ class SubmissionReader:
 
     def elements(self) -> Iterator[bytes]:
         """Each kept element (the first `keep`) as compact JSON bytes with no newline inside, checked
-        by relay.jsonguard (a 400 naming the field); the body is parsed to its end when this ends."""
+        by core.jsonguard (a 400 naming the field); the body is parsed to its end when this ends."""
         if not self._started:
             self.head()
         keep = self.keep
@@ -382,7 +382,7 @@ class SubmissionReader:
                 continue
             idx, obj = step
             self.count += 1
-            # Checked by its own encoding (relay.jsonguard.encode), before anything is kept: a lone
+            # Checked by its own encoding (core.jsonguard.encode), before anything is kept: a lone
             # surrogate or a 10,000-deep element is refused here, naming the field.
             try:
                 data = jsonguard.encode(obj, f"requests[{idx}]")

@@ -350,7 +350,7 @@ class Batch(models.Model):
 
     def submitter(self):
         """The principal that submitted the batch, as it was at submit."""
-        from relay.auth import Principal
+        from core.auth import Principal
 
         return Principal.from_dict(self.principal)
 

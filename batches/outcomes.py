@@ -17,7 +17,7 @@ log = logging.getLogger(__name__)
 class Code(models.TextChoices):
     # The upstream answered with an HTTP error (Item.status_code holds its status).
     UPSTREAM_ERROR = "upstream_error"
-    # The pipeline refused or could not reach a provider (relay.pipeline / relay.routing codes).
+    # The pipeline refused or could not reach a provider (gateway.pipeline / gateway.routing codes).
     RATE_LIMIT_EXCEEDED = "rate_limit_exceeded"
     NO_KEYS = "no_keys"
     UPSTREAM_UNAVAILABLE = "upstream_unavailable"

@@ -1,6 +1,6 @@
 """Cleaning what was stored before redaction covered every encoding (`manage.py scrub_secrets`).
 
-Bodies are redacted as they leave the pipeline (relay.scrub); rows and files written by an older
+Bodies are redacted as they leave the pipeline (core.scrub); rows and files written by an older
 relay may still hold a provider key in an encoded form. This walks every place a provider's words
 are kept — the OpenAI output and error files, the items' and attempts' error text and bodies, the
 usage events' error messages — and rewrites each one whose redacted form differs.
@@ -14,7 +14,7 @@ from django.db import transaction
 
 from batches import storage
 from batches.models import Attempt, File, FilePurpose, Item
-from relay import scrub
+from core import scrub
 from usage.models import UsageEvent
 
 log = logging.getLogger(__name__)

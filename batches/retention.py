@@ -63,8 +63,8 @@ from batches.models import (
 )
 from batches.outcomes import Code
 from batches.surfaces import common
-from relay.errors import clipped, quoted
-from relay.http import ascii_int
+from core.errors import clipped, quoted
+from core.http import ascii_int
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ def output_expires_at(batch: Batch, created_at):
 
 def sweep(now=None) -> dict:
     """Remove what is past its retention. Idempotent; each kind bounded per run."""
-    from relay.models import RevokedToken
+    from core.models import RevokedToken
 
     now = now or timezone.now()
     out = {"files": 0, "native_batches": 0}

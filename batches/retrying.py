@@ -39,7 +39,7 @@ from django.conf import settings
 from django.utils import timezone
 
 from batches.outcomes import Code
-from relay.retry_after import parse_retry_after
+from core.retry_after import parse_retry_after
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ interface that dispatches to it."""
 
 import logging
 
-from relay.errors import RelayError
+from core.errors import RelayError
 
 log = logging.getLogger(__name__)
 

@@ -132,7 +132,7 @@ def complete_in_db(batch_id: str) -> dict:
 
     from batches import storage
     from batches.models import Batch, BatchStatus, Item, ItemState
-    from relay.demo_upstream import canned
+    from devkit.upstream import canned
 
     def store(row) -> tuple[str, str]:
         item_id, input_ref = row

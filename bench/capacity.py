@@ -10,7 +10,7 @@ that limits tokens.
 - a provider that limits tokens per window: the share of calls it answered 429, and the tokens it
   served against its limit (the drain ratio).
 
-Live and batch calls go through the relay's pipeline (`relay.pipeline.dispatch`: the key pick, the
+Live and batch calls go through the relay's pipeline (`gateway.pipeline.dispatch`: the key pick, the
 learned quotas, live first, breakers) in this process's threads, with the real PostgreSQL and Redis,
 against fake providers on loopback; the batch is a pool of 8 slots that each take the next record
 and, when the pipeline answers "no capacity", wait what it says, as a batch worker's slot does. It
@@ -24,7 +24,7 @@ import threading
 import time
 from http.server import ThreadingHTTPServer
 
-from relay.demo_upstream import DemoUpstream, _Handler, canned
+from devkit.upstream import DemoUpstream, _Handler, canned
 
 log = logging.getLogger(__name__)
 
@@ -161,10 +161,10 @@ def _seed(provider_url: str, name: str, batch_share: str = "0.80"):
     principal whose calls the bench makes."""
     from decimal import Decimal
 
+    from core import auth
+    from core.models import Host, HostBinding, HostKey, LLMModel, Project, ServiceAccount, Team
+    from core.services import create_relay_key
     from policies.models import Policy, PolicyHostKey
-    from relay import auth
-    from relay.models import Host, HostBinding, HostKey, LLMModel, Project, ServiceAccount, Team
-    from relay.services import create_relay_key
 
     team = Team.objects.create(name=f"cap-{name}")
     project = Project.objects.create(name=f"cap-{name}", team=team)
@@ -186,7 +186,7 @@ def _seed(provider_url: str, name: str, batch_share: str = "0.80"):
 def _call(principal, model: str, source: str, i: int, max_tokens: int = 16):
     import uuid
 
-    from relay import pipeline
+    from gateway import pipeline
 
     body = {"model": model, "max_tokens": max_tokens, "messages": [{"role": "user", "content": f"record {i}"}]}
     started = time.monotonic()

@@ -17,9 +17,9 @@ def seed_catalog(upstream_url: str) -> str:
     """One team/project/service account, the openai host on the fake upstream, a priced binding,
     one host key, and a policy with a rate limit on every meter, set far above what a run can
     spend (so it is evaluated on every call but never trips). Returns the relay key (plaintext)."""
+    from core.models import Host, HostBinding, HostKey, LLMModel, Pricing, Project, ServiceAccount, Team
+    from core.services import create_relay_key
     from policies.models import Policy, PolicyHostKey, RateLimit, RateLimitRule
-    from relay.models import Host, HostBinding, HostKey, LLMModel, Pricing, Project, ServiceAccount, Team
-    from relay.services import create_relay_key
 
     team = Team.objects.create(name="bench")
     project = Project.objects.create(name="bench", team=team)
@@ -68,7 +68,7 @@ def add_batch_binding(name: str, batch_mode: str) -> None:
     """A model `name` bound like gpt-4o (host openai on the fake upstream, same upstream model and pricing) whose
     batch records run where `batch_mode` says (relay | provider | auto: batches/provider/placement.py). The
     policy grants `*`, so the relay key of `seed_catalog` may use it."""
-    from relay.models import HostBinding, LLMModel
+    from core.models import HostBinding, LLMModel
 
     source = HostBinding.objects.select_related("host", "pricing").get(model__name=MODEL)
     model = LLMModel.objects.create(name=name, provider="openai")

@@ -1,4 +1,4 @@
-"""The project's fake provider (relay.demo_upstream), tuned for benchmarks and run as its own process.
+"""The project's fake provider (devkit.upstream), tuned for benchmarks and run as its own process.
 
     python -m bench.fake_upstream [--delay-ms 100]
 
@@ -17,7 +17,7 @@ Differences from the plain demo upstream, all for benchmarking:
   OpenAI's `x-ratelimit-{limit,remaining,reset}-requests` headers, as OpenAI's do (`--no-limit-headers`,
   or POST /_bench/config {"limit_headers": false}, leaves them out: a provider that says nothing until
   its 429). Other keys are never limited.
-- the providers' batch APIs (relay.demo_batches, as in the demo upstream; GET and DELETE fall through to it):
+- the providers' batch APIs (devkit.batches, as in the demo upstream; GET and DELETE fall through to it):
   POST /_bench/config {"batch_seconds": 120} sets how long a job takes (default RELAY_DEMO_BATCH_SECONDS), and
   GET /_bench/batches → {"log": [...]} every batch-API request seen ({"t", "method", "path", "op", "job", …}).
 It stays a ThreadingHTTPServer (one thread per connection), like the suite's fake.
@@ -31,7 +31,7 @@ import sys
 import time
 from collections import deque
 
-from relay.demo_upstream import DemoUpstream, Reply, _Handler, openai_limit_headers
+from devkit.upstream import DemoUpstream, Reply, _Handler, openai_limit_headers
 
 LIMITED_PREFIX = "sk-bench-rl-"
 
@@ -123,7 +123,7 @@ class _BenchHandler(_Handler):
     def do_GET(self):
         if self.path == "/_bench/stats":
             return self._json(200, self._stats())
-        if self.path == "/_bench/batches":  # the batch-API requests logged (relay.demo_batches' `log`)
+        if self.path == "/_bench/batches":  # the batch-API requests logged (devkit.batches' `log`)
             return self._json(200, {"log": self.server.batches.requests()})
         return super().do_GET()  # the batch APIs (retrieve, list, file content); 501 for anything else
 

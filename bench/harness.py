@@ -9,6 +9,7 @@ each child also gets SIGTERM from the kernel if the benchmark process dies (PR_S
 
 import contextlib
 import ctypes
+import json
 import os
 import shutil
 import signal
@@ -21,13 +22,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.measure import children_of, cpu_seconds
-from relay.processes import fleet
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 
 # The production web command (Dockerfile / compose.yaml), bound to a socket we opened ourselves.
 GUNICORN_ARGS = ["--workers", "2", "--threads", "8", "--timeout", "120"]
+# application_name of the web server's PostgreSQL sessions in an isolated stack (PGAPPNAME).
+WEB_APP_NAME = "relay-bench-web"
 
 
 def env_int(name: str, default: int) -> int:
@@ -61,6 +63,12 @@ class Stack:
     procs: list = field(default_factory=list)
     keep_db: bool = False
     redis_claimed: bool = False
+    # The checkout whose `relay` package the relay's processes run (their cwd and PYTHONPATH): this one, or
+    # another release's worktree (bench/trees.py). The fake upstream and the client are always this checkout's.
+    tree: Path = ROOT
+    # Nothing of the relay imported here: migrations and the processes' argv come from subprocesses run in
+    # `tree`, so the benchmark does not depend on the module layout of the code it measures.
+    isolated: bool = False
 
     @property
     def pg_base(self) -> str:
@@ -122,11 +130,15 @@ class Stack:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
     def fresh(self) -> None:
-        """Drop and create the database, flush the Redis db, migrate (in this process)."""
+        """Drop and create the database, flush the Redis db, migrate (in this process; isolated: `manage.py
+        migrate` run in the tree)."""
         claim_redis(self.redis_url)
         self.redis_claimed = True
         drop_database(self.pg_base, self.db_name)
         create_database(self.pg_base, self.db_name)
+        if self.isolated:
+            self.manage("migrate", "--noinput", "-v", "0", timeout=900)
+            return
         import django
         from django.core.management import call_command
 
@@ -135,14 +147,34 @@ class Stack:
 
     # --- processes ---
 
-    def spawn(self, name: str, args: list, *, pass_fds=(), stdout=None, env: dict | None = None) -> "Proc":
-        """`env`: the child's whole environment (default: ours plus the app's settings)."""
+    def tree_env(self, **extra) -> dict:
+        """The environment of a process of the relay's: ours, the app's settings, the tree's code first."""
+        return {**os.environ, **self.app_env(), "PYTHONPATH": str(self.tree), **extra}
+
+    def manage(self, *args: str, timeout: float = 300) -> str:
+        """`python manage.py ARGS` run in the tree with the app's settings; its stdout (raises on failure)."""
+        done = subprocess.run(
+            [PY, "manage.py", *args],
+            cwd=self.tree,
+            env=self.tree_env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"manage.py {' '.join(args)} in {self.tree} failed:\n{done.stderr[-3000:]}")
+        return done.stdout
+
+    def spawn(
+        self, name: str, args: list, *, pass_fds=(), stdout=None, env: dict | None = None, cwd: Path | None = None
+    ) -> "Proc":
+        """`env`: the child's whole environment (default: ours plus the app's settings). `cwd`: this checkout."""
         logfile = self.tmp / f"{name}.log"
         out = open(logfile, "wb")  # noqa: SIM115 - closed in Proc.stop()
         popen = subprocess.Popen(
             args,
             env=env if env is not None else {**os.environ, **self.app_env()},
-            cwd=ROOT,
+            cwd=cwd or ROOT,
             stdout=stdout if stdout is not None else out,
             stderr=out,
             pass_fds=pass_fds,
@@ -177,13 +209,20 @@ class Stack:
         sock.listen(512)
         port = sock.getsockname()[1]
         fd = sock.fileno()
-        if production:
+        if production and self.isolated:
+            argv = self._tree_web_argv(f"fd://{fd}")
+        elif production:
             from relay.webserver import gunicorn_argv
 
             argv = gunicorn_argv(PY, f"fd://{fd}", access_log=False)
         else:
             argv = [PY, "-m", "gunicorn", "relay.wsgi", "-b", f"fd://{fd}", *GUNICORN_ARGS]
-        proc = self.spawn("web", argv, pass_fds=(fd,))
+        if self.isolated:
+            # PGAPPNAME names the web's PostgreSQL sessions, so a figure can leave them out (measure.pg_backends).
+            env = self.tree_env(PGAPPNAME=WEB_APP_NAME)
+            proc = self.spawn("web", argv, pass_fds=(fd,), env=env, cwd=self.tree)
+        else:
+            proc = self.spawn("web", argv, pass_fds=(fd,))
         sock.close()
         web = Web(f"http://127.0.0.1:{port}", proc)
         web.wait_ready()
@@ -194,9 +233,12 @@ class Stack:
         `beat` (the first of a fleet) also the control worker and beat, as compose.yaml declares them
         once per deployment. Returns the item worker."""
         started = {}
-        for role, argv in fleet(PY, name, schedule=str(self.tmp / "celerybeat-schedule")):
+        for role, argv in self._fleet(name):
             if role == "worker" or beat:
-                started[role] = self.spawn(f"{role}-{name}", argv)
+                if self.isolated:
+                    started[role] = self.spawn(f"{role}-{name}", argv, env=self.tree_env(), cwd=self.tree)
+                else:
+                    started[role] = self.spawn(f"{role}-{name}", argv)
         for role in ("worker", "control"):
             proc = started.get(role)
             if proc is None:
@@ -209,6 +251,39 @@ class Stack:
                     raise RuntimeError(f"celery {role} not ready after 90 s\n{proc.tail()}")
                 time.sleep(0.2)
         return started["worker"]
+
+    def _fleet(self, name: str) -> list[tuple[str, list]]:
+        schedule = str(self.tmp / f"celerybeat-schedule-{name}")
+        if not self.isolated:
+            from relay.processes import fleet
+
+            return fleet(PY, name, schedule=schedule)
+        # Each role the tree's relay.processes knows (an older release may lack one), through its command line.
+        return [
+            (role, [PY, "-m", "relay.processes", role, "--name", name, "--schedule", schedule, "--loglevel", "INFO"])
+            for role in self.tree_roles()
+        ]
+
+    def tree_roles(self) -> list[str]:
+        """The roles of `python -m relay.processes` in the tree, from its usage line (`{worker,control,…}`)."""
+        done = subprocess.run(
+            [PY, "-m", "relay.processes", "-h"], cwd=self.tree, env=self.tree_env(), capture_output=True, text=True
+        )
+        usage = done.stdout.split("{", 1)[1].split("}", 1)[0] if "{" in done.stdout else ""
+        if not usage:
+            raise RuntimeError(f"python -m relay.processes -h in {self.tree}: no roles\n{done.stderr[-2000:]}")
+        return usage.split(",")
+
+    def _tree_web_argv(self, bind: str) -> list[str]:
+        """relay.webserver's production argv, asked of the tree's own module."""
+        code = (
+            "import json, sys; from relay.webserver import gunicorn_argv; "
+            f"print(json.dumps(gunicorn_argv(sys.executable, {bind!r}, access_log=False)))"
+        )
+        done = subprocess.run([PY, "-c", code], cwd=self.tree, env=self.tree_env(), capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"relay.webserver's argv from {self.tree}:\n{done.stderr[-2000:]}")
+        return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 @dataclass

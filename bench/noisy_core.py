@@ -80,9 +80,9 @@ def seed(upstream_url: str) -> Tenants:
     """The catalog through the ORM (as `relay apply` leaves it): one OpenAI and one Anthropic host on the fake,
     gpt-4o and claude-sonnet run by the relay, gpt-4o-batch sent to the provider's batch API, two OpenAI host
     keys and one Anthropic key shared by both tenants' policies."""
+    from core.models import Host, HostBinding, HostKey, LLMModel, Pricing, Project, ServiceAccount, Team
+    from core.services import create_relay_key
     from policies.models import Policy, PolicyHostKey
-    from relay.models import Host, HostBinding, HostKey, LLMModel, Pricing, Project, ServiceAccount, Team
-    from relay.services import create_relay_key
     from usage.models import Budget, Period
 
     openai = Host.objects.create(name="openai", base_url=upstream_url)

@@ -1,5 +1,5 @@
 """The noisy-neighbour drill's fake provider (bench/noisy.py): the benchmarks' fake (bench/fake_upstream.py:
-relay.demo_upstream with the providers' batch APIs) plus what the drill must see from the provider's side.
+devkit.upstream with the providers' batch APIs) plus what the drill must see from the provider's side.
 
     python -m bench.noisy_upstream        prints `READY http://127.0.0.1:<port>` on stdout
 

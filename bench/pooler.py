@@ -82,7 +82,7 @@ def _one(mode: str, pooler: tuple[int, int] | None) -> dict:
         from bench import scale
         from bench.batch_drain import wait_completed
         from bench.catalog import seed_catalog
-        from relay import auth
+        from core import auth
 
         upstream = stack.start_upstream(0.0)
         principal = auth.principal_for_key(seed_catalog(upstream.url))

@@ -2,8 +2,8 @@
 
     .venv/bin/python -m bench.provider_batch      (or: BENCH_ONLY=provider make bench)
 
-Starts, on loopback only: the fake provider (bench/fake_upstream.py, its own process: relay.demo_upstream with
-relay.demo_batches' OpenAI Files + Batches and Anthropic Message Batches), the relay web server as production
+Starts, on loopback only: the fake provider (bench/fake_upstream.py, its own process: devkit.upstream with
+devkit.batches' OpenAI Files + Batches and Anthropic Message Batches), the relay web server as production
 runs it (relay.webserver's argv) on a fresh database `relay_bench_provider` and Redis db 8
 (BENCH_REDIS_DB_PROVIDER), and the background processes as compose declares them (relay.processes: the item
 worker, the control worker, beat). The catalog is the batch benchmark's (bench/catalog.py), plus two models on

@@ -341,7 +341,7 @@ def costs(pk) -> dict:
     """The batch's events as recorded, and the same token counts priced as a relay-run record (list price;
     billed by the same rule)."""
     from batches.models import Batch
-    from relay.models import HostBinding
+    from core.models import HostBinding
     from usage.models import UsageEvent
     from usage.pricing import cost_nano_usd, discounted
     from usage.tokens import Tokens

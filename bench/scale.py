@@ -42,10 +42,10 @@ TENANTS = 5
 def _tenants(upstream_url: str) -> list:
     """Five service accounts on the bench catalog's policy, each with a relay key; their principals."""
     from bench.catalog import seed_catalog
+    from core import auth
+    from core.models import Project, ServiceAccount
+    from core.services import create_relay_key
     from policies.models import Policy
-    from relay import auth
-    from relay.models import Project, ServiceAccount
-    from relay.services import create_relay_key
 
     seed_catalog(upstream_url)
     project = Project.objects.get(name="bench")

@@ -85,10 +85,10 @@ def _catalog(upstream_url: str) -> list[tuple[str, object]]:
     """The bench catalog, gpt-4o-provider (batch_mode provider), claude-provider on an Anthropic host of the
     fake (batch_mode provider), and TENANTS service accounts on the bench policy, each with a relay key.
     Returns [(plaintext key, principal)] per tenant."""
+    from core import auth
+    from core.models import Host, HostBinding, HostKey, LLMModel, Project, ServiceAccount
+    from core.services import create_relay_key
     from policies.models import Policy, PolicyHostKey
-    from relay import auth
-    from relay.models import Host, HostBinding, HostKey, LLMModel, Project, ServiceAccount
-    from relay.services import create_relay_key
 
     catalog.seed_catalog(upstream_url)
     catalog.add_batch_binding(PROVIDER_MODEL, "provider")

@@ -100,8 +100,8 @@ def start(stack: harness.Stack, role: str, *files) -> str:
 
 def tenants(first_key: str, n: int) -> list[str]:
     """`n` relay keys of their own service accounts (owners), the bench's first key among them."""
-    from relay.models import ServiceAccount
-    from relay.services import create_relay_key
+    from core.models import ServiceAccount
+    from core.services import create_relay_key
 
     base = ServiceAccount.objects.get(name="bench")
     keys = [first_key]
@@ -120,7 +120,7 @@ def stored_batches(key: str, n: int) -> list:
     from django.utils import timezone
 
     from batches.models import Batch, BatchStatus, Item, Surface
-    from relay.auth import principal_for_key
+    from core.auth import principal_for_key
 
     attribution = Batch.attribution(principal_for_key(key))
     now = timezone.now()
@@ -232,7 +232,7 @@ def main() -> None:
 
         from batches.webhooks import services
         from batches.webhooks.models import Delivery
-        from relay.auth import principal_for_key
+        from core.auth import principal_for_key
 
         keys = tenants(first_key, ENDPOINTS)
         silent_keys = set(keys[:: max(1, ENDPOINTS // SILENT)][:SILENT])  # spread among the others

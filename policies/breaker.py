@@ -45,8 +45,8 @@ import enum
 import logging
 from dataclasses import dataclass
 
+from core.redis import get_redis
 from policies import lua
-from relay.redis import get_redis
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ RULES: dict[Failure, Rule] = {
     Failure.NETWORK: Rule(Blame.PRINCIPAL, "upstream_network_error", BACKOFF_LADDER_S),
 }
 
-# A call that got no HTTP answer (relay.upstream.UpstreamError.kind) as a failure class. None: it says
+# A call that got no HTTP answer (gateway.upstream.UpstreamError.kind) as a failure class. None: it says
 # nothing about the key and scores nobody (the caller's own deadline or cancel; an answer over the
 # relay's size limit), and a half-open probe it held is handed back.
 TRANSPORT: dict[str, Failure | None] = {
@@ -287,7 +287,7 @@ def record_failure(
 
 
 def principal_tag(principal) -> str:
-    """The tenant identity a failure is scored against (relay.auth.Principal)."""
+    """The tenant identity a failure is scored against (core.auth.Principal)."""
     return f"{principal.principal_kind}:{principal.principal_id}"
 
 

@@ -21,10 +21,10 @@ import logging
 import math
 from collections.abc import Callable
 
+from core import catalog
+from core.redis import get_redis
 from policies import breaker, livefirst, lua, provider_limits, ratelimit
 from policies.models import KeySelection, Meter
-from relay import catalog
-from relay.redis import get_redis
 from usage.tokens import Tokens
 
 log = logging.getLogger(__name__)

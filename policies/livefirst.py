@@ -39,8 +39,8 @@ from decimal import Decimal
 
 import redis
 
-from relay import catalog
-from relay.redis import get_redis
+from core import catalog
+from core.redis import get_redis
 
 log = logging.getLogger(__name__)
 

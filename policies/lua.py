@@ -17,7 +17,7 @@ import redis
 from redis.commands.core import Script
 from redis.exceptions import NoScriptError
 
-from relay.redis import get_redis
+from core.redis import get_redis
 
 NOW_MS = """
 local function now_ms()

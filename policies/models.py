@@ -6,7 +6,7 @@ from django.db import models
 from django.db.models import Q
 from django.utils import timezone
 
-from relay.generation import CatalogQuerySet
+from core.generation import CatalogQuerySet
 
 
 class Meter(models.TextChoices):
@@ -110,7 +110,7 @@ class Policy(models.Model):
     def pool(self):
         """Host keys in declared order (order matters for `prioritized`), with their rate limits.
 
-        An instance from the catalog cache (relay.catalog) carries its pool, read once
+        An instance from the catalog cache (core.catalog) carries its pool, read once
         at the catalog generation the instance belongs to."""
         cached = self.__dict__.get("_pool_memo")
         if cached is not None:

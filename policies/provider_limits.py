@@ -33,8 +33,8 @@ import re
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+from core.redis import get_redis
 from policies import lua
-from relay.redis import get_redis
 from usage.tokens import Tokens
 
 log = logging.getLogger(__name__)

@@ -32,9 +32,9 @@ from typing import TYPE_CHECKING
 
 import redis
 
+from core.redis import get_redis
 from policies import lua
 from policies.models import Meter, Strategy
-from relay.redis import get_redis
 
 log = logging.getLogger(__name__)
 

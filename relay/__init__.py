@@ -1,4 +1,2 @@
-# Load the Celery app with Django so `shared_task` binds to it.
-from relay.celery import app as celery_app
-
-__all__ = ("celery_app",)
+"""The project shell (settings, URLs, the Celery app, processes, operator pages) over core (bottom layer)
+and gateway (the live path). Importing this package loads nothing: core must stay importable alone."""

@@ -19,6 +19,6 @@ app.autodiscover_tasks()
 @signals.after_setup_logger.connect(weak=False)
 @signals.after_setup_task_logger.connect(weak=False)
 def _scrub_celery_handlers(logger=None, **kwargs):
-    from relay.scrub import install_filter
+    from core.scrub import install_filter
 
     install_filter(logger)

@@ -12,9 +12,8 @@ from decimal import Decimal, InvalidOperation
 import yaml
 from django.db import transaction
 
-from policies.models import KeySelection, Meter, Policy, PolicyHostKey, RateLimit, RateLimitRule, Strategy
-from relay import crypto, hostkinds
-from relay.models import (
+from core import crypto, hostkinds
+from core.models import (
     ACCOUNT_ID_RE,
     Adapter,
     BatchMode,
@@ -28,6 +27,7 @@ from relay.models import (
     Team,
     kind_binding_problem,
 )
+from policies.models import KeySelection, Meter, Policy, PolicyHostKey, RateLimit, RateLimitRule, Strategy
 from usage.budgets import parse_usd
 from usage.models import SCOPE_KINDS, Budget, Period
 
@@ -243,7 +243,7 @@ def _service_account(e, report, where):
 @_wrap_validation
 def _host(e, report, where):
     """`{name, kind, base_url, <the kind's settings>}`: without `kind`, each binding's adapter picks OpenAI's or
-    Anthropic's wire (relay.hostkinds.NATIVE); a kind with a well-known endpoint fills in `base_url`."""
+    Anthropic's wire (core.hostkinds.NATIVE); a kind with a well-known endpoint fills in `base_url`."""
     kind_name = e.get("kind") or ""
     if not isinstance(kind_name, str) or (kind_name and kind_name not in hostkinds.REGISTRY):
         raise ConfigError(f"kind '{kind_name}' is not one of {', '.join(hostkinds.REGISTRY)}")
@@ -322,7 +322,7 @@ def _binding(e, report, where):
         "pricing": pricing,
         "enabled": _bool(e, "enabled", True),
         "batch_mode": _choice(e.get("batch_mode", BatchMode.RELAY), BatchMode, "batch_mode"),
-        # Checked with the binding's adapter and pricing by HostBinding.clean (relay.models.betas_problem).
+        # Checked with the binding's adapter and pricing by HostBinding.clean (core.models.betas_problem).
         "allowed_betas": e.get("allowed_betas") or [],
     }
     _upsert(HostBinding, {"model": model, "host": host}, values, report, f"binding {model.name}@{host.name}")

@@ -20,8 +20,8 @@ from datetime import UTC, date, datetime, timedelta
 from django.db.models import Count, F, Q, Sum
 from django.utils import timezone
 
+from core.admin_base import SURFACE_NAMES, surface_name, usd
 from relay import metrics, metrics_rollup
-from relay.admin_base import SURFACE_NAMES, surface_name, usd
 
 log = logging.getLogger(__name__)
 
@@ -214,7 +214,7 @@ def spend(by: str, now: datetime) -> Spend:
 def provider_savings() -> dict:
     """What the provider batch mode saved, from the usage rollup: the records the provider ran priced at their
     model's live rates, less what the provider charged (their batch price). Since the rollup began."""
-    from relay.models import HostBinding
+    from core.models import HostBinding
     from usage import pricing
     from usage.tokens import Tokens
 

@@ -215,13 +215,13 @@ def _run(children: "Children", env: dict, py: str, api_port: int, redis_port: in
         ],
     )
     _wait_port(redis_port, "embedded Redis")
-    spawn("demo upstream", [py, "-m", "relay.demo_upstream", "--port", str(demo_port)])
+    spawn("demo upstream", [py, "-m", "devkit.upstream", "--port", str(demo_port)])
     _wait_port(demo_port, "demo upstream")
 
     manage = [py, "manage.py"]
     subprocess.run([*manage, "migrate", "--noinput", "-v", "0"], env=env, cwd=BASE_DIR, check=True)
     demo_key = subprocess.run(
-        [*manage, "relay", "demo"], env=env, cwd=BASE_DIR, check=True, capture_output=True, text=True
+        [py, "-m", "devkit.demo"], env=env, cwd=BASE_DIR, check=True, capture_output=True, text=True
     ).stdout.strip()
     admin_password = _ensure_admin(env, manage)
 
@@ -275,7 +275,7 @@ def _ensure_admin(env: dict, manage: list) -> str:
         return path.read_text().strip()
     password = secrets.token_urlsafe(12)
     code = (
-        "from relay.models import User\n"
+        "from core.models import User\n"
         "u = User.objects.filter(username='admin').first() or User(username='admin')\n"
         "u.is_staff = u.is_superuser = True\n"
         f"u.set_password({password!r}); u.save()\n"

@@ -6,7 +6,7 @@ Memory that comes back. CPython keeps much of what a process once allocated (are
 fragmentation), so a worker that once parsed a hostile body would stay large. Two things bound it:
 
 - what one request may make a worker build is capped where bodies are parsed
-  (relay.jsonguard.MAX_VALUES, per document and per batch element; bodies themselves are limited
+  (core.jsonguard.MAX_VALUES, per document and per batch element; bodies themselves are limited
   by RELAY_MAX_REQUEST_BYTES);
 - after each request, a worker whose resident size is over RELAY_WEB_MAX_RSS_MB (default 300;
   0 turns the check off) stops taking connections, finishes the requests it has (up to the

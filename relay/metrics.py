@@ -48,8 +48,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from batches import dispatch
 from batches.queues import QUEUES
+from core.errors import RelayError
 from relay import metrics_rollup
-from relay.errors import RelayError
 from relay.metrics_rollup import RUN_BUCKETS_S, UPSTREAM_BUCKETS_S
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ _TERMINAL_KEY = "relay:metrics:terminal_items"
 
 def _terminal_counts() -> dict[str, int]:
     from batches.models import Item, ItemState
-    from relay.redis import get_redis
+    from core.redis import get_redis
 
     client = get_redis()
     cached = client.hgetall(_TERMINAL_KEY)
@@ -235,14 +235,14 @@ def usage_rollup():
 
 def breaker_snapshots() -> list[tuple[str, str, dict]]:
     """(host name, key name, breaker snapshot) of every enabled host key; its value is only hashed."""
+    from core.crypto import SecretUnavailable, sha256_hex
+    from core.models import HostKey
     from policies import breaker
-    from relay.crypto import SecretUnavailable, sha256_hex
-    from relay.models import HostKey
 
     out = []
     for key in HostKey.objects.filter(enabled=True).select_related("host").order_by("host__name", "name"):
         try:
-            key_hash = sha256_hex(key.get_value())[:12]  # as relay/pipeline.py keys the breaker
+            key_hash = sha256_hex(key.get_value())[:12]  # as gateway/pipeline.py keys the breaker
         except SecretUnavailable:
             continue
         out.append((key.host.name, key.name, breaker.snapshot(key_hash)))
@@ -267,10 +267,10 @@ def breakers():
 
 
 def ratelimit_denials():
+    from core.models import HostKey
+    from core.redis import get_redis
     from policies.models import Policy
     from policies.ratelimit import DENIALS_KEY
-    from relay.models import HostKey
-    from relay.redis import get_redis
 
     fam = CounterMetricFamily(
         "relay_ratelimit_denials",
@@ -316,7 +316,7 @@ def slots_capacity() -> dict[str, int]:
     """Slots per worker host, from what each live item-worker process announces
     (batches.worker.warmup.announce_slots)."""
     from batches.worker.warmup import SLOTS_KEY_PREFIX
-    from relay.redis import get_redis
+    from core.redis import get_redis
 
     client = get_redis()
     keys = list(client.scan_iter(match=f"{SLOTS_KEY_PREFIX}*", count=500))

@@ -38,7 +38,7 @@ from django.db import DatabaseError, transaction
 from django.db.models import Case, CharField, Count, F, Max, Q, Sum, Value, When
 from django.db.models.functions import Coalesce, TruncDate
 
-from relay.models import ItemRunRollup, LLMModel, SpendRollup, UsageRollup, UsageRollupCursor
+from core.models import ItemRunRollup, LLMModel, SpendRollup, UsageRollup, UsageRollupCursor
 
 log = logging.getLogger(__name__)
 

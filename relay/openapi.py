@@ -65,7 +65,7 @@ INFERENCE = {
     "tags": ["inference"],
 }
 # A relay credential (relay key or inference token) is accepted in any of three headers wherever it is
-# accepted at all (relay.auth.bearer_from_headers): `Authorization: Bearer`, `x-api-key` (what the
+# accepted at all (core.auth.bearer_from_headers): `Authorization: Bearer`, `x-api-key` (what the
 # Anthropic SDK sends) and `X-WR-API-Key`. Each is a scheme, any one of them suffices.
 RELAY_CREDENTIAL = [{"RelayKey": []}, {"RelayApiKey": []}, {"RelayWrApiKey": []}]
 SESSION_OR_TOKEN = [*RELAY_CREDENTIAL, {"AdminToken": []}]

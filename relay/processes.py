@@ -20,7 +20,6 @@ import argparse
 import os
 import sys
 import tempfile
-import time
 
 from batches import queues
 
@@ -32,22 +31,6 @@ CONTROL_CONCURRENCY = 4
 ITEM_QUEUES = queues.ITEM_QUEUE
 CONTROL_QUEUES = f"{queues.CONTROL_QUEUE},{queues.DEFAULT_QUEUE}"
 ROLES = ("worker", "control", "webhooks", "beat")
-
-
-def run_warm_up(steps, log, *, what: str, first: str) -> None:
-    """Run a process's warm-up `steps` ((name, callable) pairs) best effort, before it takes work: a
-    step that fails is logged and left to the process's `first` request or item; then one INFO line,
-    "`what` warmed up in N ms", naming any step that failed. Used by the batch workers
-    (batches.worker.warmup.warm_up) and the web workers (relay.webserver.warm_up)."""
-    started, failed = time.monotonic(), []
-    for name, step in steps:
-        try:
-            step()
-        except Exception:
-            failed.append(name)
-            log.warning("%s warm-up step %r failed; the first %s does it", what, name, first, exc_info=True)
-    took = (time.monotonic() - started) * 1000
-    log.info("%s warmed up in %.0f ms%s", what, took, f" (failed: {', '.join(failed)})" if failed else "")
 
 
 def _celery(python: str) -> list[str]:

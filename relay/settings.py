@@ -45,7 +45,7 @@ def _secret(name: str) -> str:
 SECRET_KEY = _secret("SECRET_KEY")
 RELAY_MASTER_KEY = _secret("RELAY_MASTER_KEY")
 RELAY_ADMIN_TOKEN = _secret("RELAY_ADMIN_TOKEN")
-# A host key's `value_from: {env: NAME}` is read only when NAME starts with this (relay.models.HostKey): the
+# A host key's `value_from: {env: NAME}` is read only when NAME starts with this (core.models.HostKey): the
 # process that calls providers also holds the secrets above, the database URL and cloud credentials.
 RELAY_HOSTKEY_ENV_PREFIX = env.str("RELAY_HOSTKEY_ENV_PREFIX", default="RELAY_HOSTKEY_")
 if not RELAY_HOSTKEY_ENV_PREFIX:
@@ -64,25 +64,27 @@ INSTALLED_APPS = [
     "rest_framework",
     "drf_spectacular",
     "drf_spectacular_sidecar",
-    "relay",
-    "policies",
+    "core",
     "usage",
+    "policies",
+    "gateway",
     "batches",
     "batches.webhooks",
+    "relay",
 ]
 
 MIDDLEWARE = [
     # First: request id, URL/query/Content-Length/chunked checks, JSON errors (decision 0008).
-    "relay.edge.EdgeMiddleware",
+    "gateway.edge.EdgeMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     # Django's own four below, skipped on the live inference routes (they authenticate a relay key
-    # or token only; relay.edge).
-    "relay.edge.SessionMiddleware",
+    # or token only; gateway.edge).
+    "gateway.edge.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
-    "relay.edge.CsrfViewMiddleware",
-    "relay.edge.AuthenticationMiddleware",
-    "relay.edge.MessageMiddleware",
+    "gateway.edge.CsrfViewMiddleware",
+    "gateway.edge.AuthenticationMiddleware",
+    "gateway.edge.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
 ]
 
@@ -111,7 +113,7 @@ DATABASES["default"].setdefault("CONN_MAX_AGE", env.int("DB_CONN_MAX_AGE", defau
 # A `SELECT 1` before the first query of each request and each batch item, so a connection broken
 # while idle (PostgreSQL restarted) is replaced instead of failing that request. On PostgreSQL it is
 # skipped for a connection that answered a statement less than RELAY_DB_HEALTH_CHECK_IDLE_S ago
-# (relay/db/postgresql: a busy process pays no round trip for it); DB_CONN_HEALTH_CHECKS=0 turns it off.
+# (core/db/postgresql: a busy process pays no round trip for it); DB_CONN_HEALTH_CHECKS=0 turns it off.
 DATABASES["default"]["CONN_HEALTH_CHECKS"] = env.bool("DB_CONN_HEALTH_CHECKS", default=True)
 RELAY_DB_HEALTH_CHECK_IDLE_S = env.float("RELAY_DB_HEALTH_CHECK_IDLE_S", default=1.0)
 # No statement runs longer (PostgreSQL); a native batch streamed into its COPY gets the edge's body
@@ -145,13 +147,13 @@ RELAY_DB_TIMEOUTS_MS = {
 
 
 def _postgresql(db: dict, *, pooler: str, timeouts: str) -> None:
-    """The relay's PostgreSQL backend (relay/db/postgresql) and its connection options for `db`."""
-    db["ENGINE"] = "relay.db.postgresql"
+    """The relay's PostgreSQL backend (core/db/postgresql) and its connection options for `db`."""
+    db["ENGINE"] = "core.db.postgresql"
     options = {"keepalives": 1, "keepalives_idle": 30, "keepalives_interval": 10, "keepalives_count": 3}
     if timeouts == "session":
         options["options"] = " ".join(f"-c {name}={value}" for name, value in RELAY_DB_TIMEOUTS_MS.items())
     elif timeouts == "transaction":
-        db["TIMEOUTS_PER_TRANSACTION"] = RELAY_DB_TIMEOUTS_MS  # read by relay/db/postgresql
+        db["TIMEOUTS_PER_TRANSACTION"] = RELAY_DB_TIMEOUTS_MS  # read by core/db/postgresql
     if pooler:
         db["POOLER"] = pooler
         # Django's .iterator() holds a cursor WITH HOLD across transactions in autocommit: lost behind
@@ -191,12 +193,12 @@ FORMS_URLFIELD_ASSUME_HTTPS = True
 
 REST_FRAMEWORK = {
     # Inference and batch endpoints authenticate with relay keys / tokens
-    # themselves (relay.auth); DRF's own auth would answer in the wrong shape.
+    # themselves (core.auth); DRF's own auth would answer in the wrong shape.
     "DEFAULT_AUTHENTICATION_CLASSES": [],
     "DEFAULT_PERMISSION_CLASSES": [],
     "UNAUTHENTICATED_USER": None,
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
-    "EXCEPTION_HANDLER": "relay.errors.drf_exception_handler",
+    "EXCEPTION_HANDLER": "core.errors.drf_exception_handler",
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
 }
 
@@ -223,7 +225,7 @@ SPECTACULAR_SETTINGS = {
 # --- Relay ---------------------------------------------------------------
 MiB = 1024 * 1024
 RELAY_MAX_REQUEST_BYTES = env.int("RELAY_MAX_REQUEST_BYTES", default=32 * MiB)
-# The edge (relay.edge, decision 0008): longest URL (path + query) accepted, else 414; how long a
+# The edge (gateway.edge, decision 0008): longest URL (path + query) accepted, else 414; how long a
 # request body may take to arrive: RELAY_BODY_READ_SECONDS plus one second per
 # RELAY_BODY_MIN_RATE bytes declared, with at most RELAY_BODY_IDLE_SECONDS between two
 # reads (else 408) — so a slow client cannot hold a server thread.
@@ -263,8 +265,8 @@ LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
-    # No known host-key value reaches a log line (relay.scrub).
-    "filters": {"scrub": {"()": "relay.scrub.ScrubFilter"}},
+    # No known host-key value reaches a log line (core.scrub).
+    "filters": {"scrub": {"()": "core.scrub.ScrubFilter"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain", "filters": ["scrub"]}},
     "root": {"handlers": ["console"], "level": env.str("LOG_LEVEL", default="INFO")},
 }

@@ -23,7 +23,7 @@ def _rollup_idle() -> bool:
     relay nobody calls."""
     from django.db.models import Subquery
 
-    from relay.models import UsageRollupCursor
+    from core.models import UsageRollupCursor
     from usage.models import UsageEvent
 
     newest = Subquery(UsageEvent.objects.order_by("-pk").values("pk")[:1])

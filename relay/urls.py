@@ -1,9 +1,9 @@
 from django.contrib import admin
 from django.urls import include, path
 
+from gateway.inference import inference_urls
+from gateway.views import ModelsView
 from relay import openapi
-from relay.api.inference import inference_urls
-from relay.api.views import ModelsView
 from relay.metrics import metrics_view
 from relay.operator import health_page, landing
 from relay.views import HealthView
@@ -23,14 +23,14 @@ urlpatterns = [
     path("openai/v1/models", ModelsView.as_view(), name="openai-models"),
     path("admin/health/", admin.site.admin_view(health_page), name="admin-health"),
     path("admin/", admin.site.urls),
-    path("api/usage/", include("usage.urls")),
+    path("api/usage/", include("relay.reports.urls")),
     *openapi.urls(),
     path("", include("batches.urls")),
     path("", include("batches.webhooks.urls")),
 ]
 
-# Errors of API paths in the product's JSON envelope; the admin keeps Django's pages (relay.edge).
-handler400 = "relay.edge.bad_request"
-handler403 = "relay.edge.permission_denied"
-handler404 = "relay.edge.page_not_found"
-handler500 = "relay.edge.server_error"
+# Errors of API paths in the product's JSON envelope; the admin keeps Django's pages (gateway.edge).
+handler400 = "gateway.edge.bad_request"
+handler403 = "gateway.edge.permission_denied"
+handler404 = "gateway.edge.page_not_found"
+handler500 = "gateway.edge.server_error"

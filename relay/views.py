@@ -6,8 +6,8 @@ from django.db import connection
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from relay.api.authentication import has_admin_token
-from relay.redis import get_redis
+from core.authentication import has_admin_token
+from core.redis import get_redis
 
 log = logging.getLogger(__name__)
 

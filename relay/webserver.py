@@ -1,7 +1,7 @@
 """How the API's gunicorn runs, in embedded mode and in the full stack (decision 0008).
 
 `gthread` workers: gunicorn 27 parks a connection whose request has not
-arrived in its poller (no thread held), and relay.edge bounds how long a
+arrived in its poller (no thread held), and gateway.edge bounds how long a
 request *body* may take (RELAY_BODY_READ_SECONDS + size/RELAY_BODY_MIN_RATE,
 RELAY_BODY_IDLE_SECONDS between reads). A slow client therefore holds one
 thread for at most that long; with THREADS threads per worker, 16 slow
@@ -42,7 +42,7 @@ DEFAULT_THREADS = 256
 # Of those, how many keep a database connection open between requests (CONN_MAX_AGE): as many as every
 # thread kept before streaming, so a pool sized for streams does not also size PostgreSQL's connections
 # (its default limit is 100). A thread beyond them closes its connection after each request; streams'
-# usage events go through one writer thread per worker (relay.streaming) and need none.
+# usage events go through one writer thread per worker (gateway.streaming) and need none.
 PERSISTENT_DB_THREADS = 32
 
 
@@ -52,7 +52,7 @@ def threads(env=None) -> int:
 
 
 THREADS = threads()
-# gunicorn's hard maximum; relay.edge answers a URL over RELAY_MAX_URL_CHARS with a JSON 414 first.
+# gunicorn's hard maximum; gateway.edge answers a URL over RELAY_MAX_URL_CHARS with a JSON 414 first.
 LIMIT_REQUEST_LINE = 8190
 # Every worker is recycled after this many requests, plus a random share of the jitter: rare enough
 # that its warm-up (relay.webserver.warm_up) costs nothing measurable, often enough that slow growth
@@ -111,7 +111,8 @@ def warm_up() -> None:
     from django.db import connections
     from django.urls import get_resolver
 
-    from relay import processes, routing, upstream
+    from core import warmup as warm_up_runner
+    from gateway import routing, upstream
 
     steps = (
         ("db threads", _limit_persistent_connections),
@@ -120,7 +121,7 @@ def warm_up() -> None:
         ("upstream", upstream.warm),
         ("connection", connections.close_all),  # the main thread's: it serves no request
     )
-    processes.run_warm_up(steps, logging.getLogger("relay.webserver"), what="web worker", first="request")
+    warm_up_runner.run_warm_up(steps, logging.getLogger("relay.webserver"), what="web worker", first="request")
 
 
 _thread_slots = threading.local()

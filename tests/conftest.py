@@ -10,7 +10,7 @@ if not os.environ.get("DATABASE_URL", "").startswith("postgres"):
 
 import pytest  # noqa: E402
 
-from relay.demo_upstream import DemoUpstream  # noqa: E402
+from devkit.upstream import DemoUpstream  # noqa: E402
 from tests import factories  # noqa: E402
 
 # --- parallel runs (pytest-xdist) ----------------------------------------------------------------------
@@ -270,7 +270,7 @@ def _clean_redis(request):
     if request.node.get_closest_marker("unit"):  # the unit tier does not touch Redis
         yield
         return
-    from relay.redis import get_redis
+    from core.redis import get_redis
 
     r = get_redis()
     r.flushdb()

@@ -2,9 +2,9 @@
 
 from dataclasses import dataclass
 
+from core.models import Host, HostBinding, HostKey, LLMModel, Pricing, Project, ServiceAccount, Team, User
+from core.services import create_relay_key
 from policies.models import Policy, PolicyHostKey, RateLimit, RateLimitRule
-from relay.models import Host, HostBinding, HostKey, LLMModel, Pricing, Project, ServiceAccount, Team, User
-from relay.services import create_relay_key
 
 
 @dataclass

@@ -15,8 +15,8 @@ import pytest
 
 from batches.models import Batch, Item
 from bench.measure import cpu_seconds
-from relay.demo_upstream import Reply
-from relay.models import HostBinding
+from core.models import HostBinding
+from devkit.upstream import Reply
 from tests.test_provider_batches import chat, drive, openai_batch
 from tests.test_storage_s3 import _native, bucket, s3_endpoint, s3_workers  # noqa: F401 - fixtures
 from tests.workers import wait_for

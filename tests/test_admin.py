@@ -6,8 +6,8 @@ import pytest
 from django.contrib import admin
 from django.urls import reverse
 
-from relay.crypto import sha256_hex
-from relay.models import HostKey, RelayKey
+from core.crypto import sha256_hex
+from core.models import HostKey, RelayKey
 
 pytestmark = pytest.mark.django_db
 
@@ -77,7 +77,7 @@ def test_large_changelists_count_pages_from_the_planners_estimate(admin_client, 
     from django.db import connection
     from django.test.utils import CaptureQueriesContext
 
-    from relay import admin_base
+    from core import admin_base
     from usage.models import UsageEvent
 
     UsageEvent.objects.bulk_create(

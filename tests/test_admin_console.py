@@ -20,10 +20,10 @@ from django.utils import timezone
 from batches.models import Batch
 from batches.provider.models import ProviderJob
 from batches.webhooks.models import WebhookEndpoint
+from core.crypto import sha256_hex
+from core.models import HostBinding
 from policies import breaker
 from relay import console, metrics_rollup
-from relay.crypto import sha256_hex
-from relay.models import HostBinding
 from usage import budgets as spend_budgets
 from usage.models import Budget, BudgetPeriod, UsageEvent
 

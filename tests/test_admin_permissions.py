@@ -14,7 +14,7 @@ from django.utils import timezone
 
 from batches.models import Batch
 from batches.webhooks.models import Delivery, Event, WebhookEndpoint
-from relay.models import RelayKey, User
+from core.models import RelayKey, User
 
 pytestmark = pytest.mark.django_db
 

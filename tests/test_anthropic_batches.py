@@ -10,8 +10,8 @@ import pytest
 
 from batches.models import Batch, Item
 from batches.surfaces.anthropic import read as anthropic_read
-from relay.demo_upstream import Reply
-from relay.services import create_relay_key
+from core.services import create_relay_key
+from devkit.upstream import Reply
 from tests.workers import wait_for
 from usage.models import UsageEvent
 

@@ -18,9 +18,9 @@ from batches.models import Batch, Item
 from batches.surfaces.anthropic import create as anthropic_create
 from batches.surfaces.anthropic import read as anthropic_read
 from batches.worker import execute
+from core import auth
+from devkit.upstream import Reply
 from policies.models import Policy
-from relay import auth
-from relay.demo_upstream import Reply
 from tests.workers import wait_for
 from usage.models import UsageEvent
 

@@ -7,9 +7,9 @@ import pytest
 import yaml
 from django.core.management import CommandError, call_command
 
+from core.models import HostBinding, HostKey, Pricing, Project
 from policies.models import Policy
 from relay.config_apply import ConfigError, apply_config
-from relay.models import HostBinding, HostKey, Pricing, Project
 
 pytestmark = pytest.mark.django_db
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "catalog.yaml"

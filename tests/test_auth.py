@@ -5,8 +5,8 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from relay import auth
-from relay.services import create_relay_key, revoke_relay_key, rotate_relay_key, set_relay_key_enabled
+from core import auth
+from core.services import create_relay_key, revoke_relay_key, rotate_relay_key, set_relay_key_enabled
 from tests import factories
 
 pytestmark = pytest.mark.django_db
@@ -90,14 +90,14 @@ def test_rotation_without_grace_cuts_over_now(client, catalog):
     [(-1, "graceSeconds must not be negative"), (24 * 3600 + 1, "graceSeconds must not exceed 86400")],
 )
 def test_rotation_grace_bounds(catalog, grace, message):
-    from relay.errors import RelayError
+    from core.errors import RelayError
 
     with pytest.raises(RelayError, match=message):
         rotate_relay_key(catalog.key_obj, grace_seconds=grace)
 
 
 def test_revoked_key_cannot_rotate(catalog):
-    from relay.errors import RelayError
+    from core.errors import RelayError
 
     revoke_relay_key(catalog.key_obj)
     with pytest.raises(RelayError, match="key is revoked"):
@@ -164,7 +164,7 @@ def test_forged_token_is_invalid(client, alice_token):
 
 
 def test_token_of_deleted_project_is_403(client, catalog):
-    from relay.models import Project
+    from core.models import Project
 
     u = factories.user("bob")
     tmp = Project.objects.create(name="tmp", team=catalog.team)
@@ -175,7 +175,7 @@ def test_token_of_deleted_project_is_403(client, catalog):
 
 
 def test_recheck_sees_later_changes(catalog):
-    from relay.errors import AuthError
+    from core.errors import AuthError
 
     p = auth.principal_for_key(catalog.key)
     auth.recheck(p)  # still fine

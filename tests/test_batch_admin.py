@@ -10,7 +10,7 @@ from django.utils import timezone
 from batches import storage
 from batches.models import Batch, Item
 from batches.surfaces.native import submit
-from relay import auth
+from core import auth
 
 pytestmark = pytest.mark.django_db
 

@@ -10,8 +10,8 @@ import pytest
 import requests
 
 from batches.models import Batch, Item
-from relay.demo_upstream import Reply
-from relay.redis import get_redis
+from core.redis import get_redis
+from devkit.upstream import Reply
 from tests.workers import wait_for
 from usage.models import UsageEvent
 

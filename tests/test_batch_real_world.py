@@ -31,9 +31,9 @@ from batches.lifecycle import stop
 from batches.models import Attempt, Batch, Item
 from batches.surfaces.native import submit
 from batches.surfaces.openai import create as openai_create
+from core import auth
+from devkit.upstream import Reply
 from policies.models import PolicyHostKey
-from relay import auth
-from relay.demo_upstream import Reply
 from tests.workers import broker_idle, wait_for
 from usage.models import UsageEvent
 

@@ -23,10 +23,10 @@ from batches.surfaces.native import submit
 from batches.surfaces.openai import create as openai_create
 from batches.surfaces.openai import validation
 from batches.worker import execute
-from relay import auth
-from relay.demo_upstream import Reply
-from relay.errors import RelayError
-from relay.redis import get_redis
+from core import auth
+from core.errors import RelayError
+from core.redis import get_redis
+from devkit.upstream import Reply
 from tests import factories
 from usage.models import UsageEvent
 

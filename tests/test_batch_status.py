@@ -6,7 +6,7 @@ import json
 import pytest
 
 from batches.surfaces.native import submit
-from relay import auth
+from core import auth
 
 pytestmark = pytest.mark.django_db
 

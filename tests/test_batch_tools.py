@@ -125,7 +125,7 @@ def test_auto_mode_runs_tool_calling_records_in_the_relay_and_the_rest_at_the_pr
     tool-calling one runs in the relay, which must sit between its model turns; every record finishes."""
     from batches.models import Item
     from batches.provider.models import ProviderJob
-    from relay.models import HostBinding
+    from core.models import HostBinding
 
     HostBinding.objects.filter(model__name="gpt-4o").update(batch_mode="auto")
     fake.batches.job_seconds = 0.5

@@ -18,11 +18,11 @@ from batches.lifecycle import claim as claims
 from batches.models import Attempt, Batch, Item
 from batches.outcomes import Code
 from batches.worker import execute, waits
+from core.errors import RelayError
+from core.models import Host, HostBinding, HostKey, LLMModel
+from core.redis import get_redis
+from devkit.upstream import Reply
 from policies.models import PolicyHostKey
-from relay.demo_upstream import Reply
-from relay.errors import RelayError
-from relay.models import Host, HostBinding, HostKey, LLMModel
-from relay.redis import get_redis
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

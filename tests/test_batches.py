@@ -14,11 +14,11 @@ from django.test import override_settings
 from django.utils import timezone
 
 from batches.models import Batch, Item
+from core import auth
+from core.models import RelayKey
+from core.services import create_relay_key, revoke_relay_key, rotate_relay_key
+from devkit.upstream import Reply
 from policies.models import Policy
-from relay import auth
-from relay.demo_upstream import Reply
-from relay.models import RelayKey
-from relay.services import create_relay_key, revoke_relay_key, rotate_relay_key
 from tests import factories
 from tests.workers import wait_for
 from usage.models import UsageEvent

@@ -10,9 +10,9 @@ import time
 
 import pytest
 
+from core.redis import get_redis
 from policies import breaker
 from policies.breaker import Failure
-from relay.redis import get_redis
 from tests.workers import wait_for
 
 pytestmark = pytest.mark.integration  # Redis

@@ -27,12 +27,12 @@ from batches.surfaces.native import submit
 from batches.surfaces.openai import create as openai_create
 from batches.surfaces.openai import validation
 from batches.worker import execute
+from core import auth
+from core.crypto import sha256_hex
+from core.models import HostBinding
+from devkit.upstream import Reply
 from policies import breaker
 from policies.models import PolicyHostKey
-from relay import auth
-from relay.crypto import sha256_hex
-from relay.demo_upstream import Reply
-from relay.models import HostBinding
 from tests.test_tenant_isolation import _wait_for_event, chat, two_tenants
 from usage.models import UsageEvent
 

@@ -13,9 +13,9 @@ from batches.lifecycle import claim as claims
 from batches.models import Item
 from batches.surfaces.native import submit
 from batches.worker import execute
-from relay import auth, generation
-from relay.demo_upstream import Reply, canned
-from relay.models import Pricing
+from core import auth, generation
+from core.models import Pricing
+from devkit.upstream import Reply, canned
 from usage import budgets
 from usage.models import Budget, BudgetHold, BudgetPeriod, UsageEvent
 from usage.pricing import cost_nano_usd

@@ -8,10 +8,10 @@ import pytest
 from django.db import IntegrityError, connections, transaction
 from django.utils import timezone
 
+from core import auth
+from core.models import Pricing, Project, ServiceAccount, Team
 from policies.models import Policy
-from relay import auth
 from relay.config_apply import ConfigError, apply_config
-from relay.models import Pricing, Project, ServiceAccount, Team
 from tests import factories
 from usage import budgets
 from usage.budgets import BudgetExceeded

@@ -8,9 +8,10 @@ import pytest
 from django.conf import settings
 from django.db import connection
 
-from relay import auth, streaming
-from relay.models import Project, ServiceAccount, Team
-from relay.services import create_relay_key
+from core import auth
+from core.models import Project, ServiceAccount, Team
+from core.services import create_relay_key
+from gateway import streaming
 from tests.workers import wait_for
 from usage import budgets
 from usage.models import Budget, BudgetPeriod, UsageEvent
@@ -189,7 +190,7 @@ def test_a_streamed_live_request_is_charged_when_its_stream_ends(client, catalog
     assert resp.status_code == 200
     assert b"[DONE]" in b"".join(resp.streaming_content)
     resp.close()
-    # The stream's event and charge are written by the process's writer thread (relay.streaming).
+    # The stream's event and charge are written by the process's writer thread (gateway.streaming).
     event = wait_for(lambda: UsageEvent.objects.first(), 10, interval=0.02, what="the stream's usage event")
     assert event.cost_nano_usd and event.cost_nano_usd > 0
     wait_for(lambda: spent("proj") == event.cost_nano_usd, 10, interval=0.02, what="the stream's charge")

@@ -12,7 +12,7 @@ from django.test import override_settings
 
 from batches import bulk, storage
 from batches.models import Item
-from relay import jsonguard
+from core import jsonguard
 
 DEEP_OK = {
     "a": [

@@ -1,4 +1,4 @@
-"""The per-process catalog cache (relay.catalog): every catalog write, whatever path it
+"""The per-process catalog cache (core.catalog): every catalog write, whatever path it
 takes, is seen by the next request — in this process and in another one."""
 
 import json
@@ -11,10 +11,11 @@ import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
+from core import generation
+from core.errors import RelayError
+from core.models import HostBinding, HostKey, LLMModel, Pricing, RelayKey
+from gateway import routing
 from policies.models import Policy, PolicyHostKey, RateLimit, RateLimitRule
-from relay import generation, routing
-from relay.errors import RelayError
-from relay.models import HostBinding, HostKey, LLMModel, Pricing, RelayKey
 from tests import factories
 from tests.workers import wait_for
 
@@ -27,8 +28,8 @@ def route_of(policy_id, model="gpt-4o"):
 
 
 def test_a_worker_warms_every_route_once_before_its_first_item(catalog):
-    """relay.routing.warm (a Celery worker's parent, before the fork; each pool process again)."""
-    from relay import catalog as cache
+    """gateway.routing.warm (a Celery worker's parent, before the fork; each pool process again)."""
+    from core import catalog as cache
 
     cache._local_cache.clear()
     assert routing.warm() > 0
@@ -105,8 +106,8 @@ def test_rate_limit_rules_are_seen_by_the_next_request(catalog):
 
 
 def test_a_flushed_counter_restarts_elsewhere(catalog):
-    from relay import catalog as cache
-    from relay.redis import get_redis
+    from core import catalog as cache
+    from core.redis import get_redis
 
     route_of(catalog.policy.id)
     old = cache._local_cache.current().gen
@@ -121,8 +122,9 @@ _CHILD = r"""
 import json, os, sys
 import django
 django.setup()
-from relay import generation, routing
-from relay.errors import RelayError
+from core import generation
+from gateway import routing
+from core.errors import RelayError
 for line in sys.stdin:
     pid = int(line)
     try:
@@ -171,8 +173,8 @@ def test_another_process_sees_every_write_at_its_next_request(fake, child):
 
 
 def test_without_redis_nothing_is_cached_and_a_lost_bump_is_retried(catalog, settings):
-    from relay import catalog as cache
-    from relay.redis import get_redis
+    from core import catalog as cache
+    from core.redis import get_redis
 
     route_of(catalog.policy.id)
     before = cache._local_cache.current().gen
@@ -207,7 +209,7 @@ def _chat(client, catalog, model="gpt-4o"):
 def _as_if_elsewhere(write):
     """Run a catalog write as another process would: the counter in Redis moves on, but this
     process keeps the snapshot it holds (its cache is not cleared by somebody else's write)."""
-    from relay import catalog as cache
+    from core import catalog as cache
 
     held = cache._local_cache.snapshot
     write()
@@ -216,7 +218,7 @@ def _as_if_elsewhere(write):
 
 
 def test_the_pipeline_routes_again_when_the_pick_finds_its_snapshot_stale(client, catalog):
-    from relay import catalog as cache
+    from core import catalog as cache
 
     assert _chat(client, catalog).json()["model"] == "gpt-4o-2024-08-06"
     held = _as_if_elsewhere(
@@ -257,7 +259,7 @@ def test_a_disabled_key_is_never_picked_from_a_held_snapshot(client, catalog):
 
 
 def test_a_key_revoked_elsewhere_is_refused_at_the_next_live_request(client, catalog):
-    from relay import services
+    from core import services
 
     assert _chat(client, catalog).status_code == 200  # the key's row is now cached here
     _as_if_elsewhere(lambda: services.revoke_relay_key(catalog.key_obj))
@@ -301,7 +303,7 @@ def _batch_items(catalog, n):
     import io
 
     from batches.surfaces.native import submit
-    from relay import auth
+    from core import auth
 
     body = {"shape": "openai", "requests": [{"model": "gpt-4o", "messages": []}] * n}
     principal = auth.principal_for_key(catalog.key)

@@ -17,7 +17,7 @@ from batches.surfaces.native import submit
 from batches.worker import bookkeeper as keeper
 from batches.worker import drain as draining
 from batches.worker import warmup
-from relay import auth
+from core import auth
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

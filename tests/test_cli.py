@@ -5,8 +5,8 @@ import io
 import pytest
 from django.core.management import CommandError, call_command
 
-from relay.crypto import sha256_hex
-from relay.models import RelayKey, RevokedToken
+from core.crypto import sha256_hex
+from core.models import RelayKey, RevokedToken
 from tests import factories
 
 pytestmark = pytest.mark.django_db

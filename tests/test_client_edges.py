@@ -15,9 +15,9 @@ from django.test import Client
 from prometheus_client.parser import text_string_to_metric_families
 
 from batches.worker import warmup
+from core.models import ServiceAccount
+from core.services import create_relay_key
 from relay.config_apply import apply_config, load_file
-from relay.models import ServiceAccount
-from relay.services import create_relay_key
 from tests.workers import wait_for
 from usage.models import UsageEvent
 
@@ -67,7 +67,7 @@ def test_anthropic_routes_also_answer_request_id_the_anthropic_sdk_reads(catalog
 
 
 def test_a_client_sent_request_id_is_logged_not_taken(catalog, fake, caplog):
-    caplog.set_level(logging.INFO, logger="relay.edge")
+    caplog.set_level(logging.INFO, logger="gateway.edge")
     resp = post("/v1/chat/completions", CHAT, HTTP_X_REQUEST_ID="client-id-123", **bearer(catalog.key))
     assert resp.status_code == 200
     assert resp["X-Request-ID"] != "client-id-123"
@@ -86,7 +86,7 @@ def test_the_sdks_see_the_request_id(live_server, catalog, fake):
     assert raw.headers["x-request-id"] and raw.request_id == raw.headers["x-request-id"]
     an = anthropic.Anthropic(base_url=live_server.url, api_key=catalog.key, max_retries=0)
     message = an.messages.create(**MESSAGES)
-    # The usage event is written once the answer has gone (relay/api/inference.py): waited for.
+    # The usage event is written once the answer has gone (gateway/inference.py): waited for.
     wait_for(lambda: UsageEvent.objects.filter(request_id=message._request_id).exists(), 10, what="the event")
 
 

@@ -17,12 +17,13 @@ from django.utils import timezone
 from batches.surfaces.native import submit
 from batches.worker import bookkeeper as keeper
 from batches.worker import drain as draining
+from core import auth, scrub
+from core.crypto import sha256_hex
+from core.models import HostKey
+from core.redis import get_redis
+from gateway import pipeline
 from policies import keypool, provider_limits
 from policies.models import Policy
-from relay import auth, pipeline, scrub
-from relay.crypto import sha256_hex
-from relay.models import HostKey
-from relay.redis import get_redis
 from tests import factories
 
 pytestmark = pytest.mark.django_db
@@ -216,8 +217,8 @@ def test_the_rollup_beat_job_is_one_statement_when_nothing_was_written(client, c
     from django.db import connection
     from django.test.utils import CaptureQueriesContext
 
+    from core.models import UsageRollup
     from relay import tasks
-    from relay.models import UsageRollup
 
     tasks.roll_up_metrics()  # its first run makes the cursor
     with CaptureQueriesContext(connection) as idle:

@@ -24,9 +24,9 @@ from batches.models import Batch, Item
 from batches.surfaces.native import submit
 from batches.surfaces.openai import create as openai_create
 from batches.surfaces.openai import validation
-from relay import auth
-from relay.demo_upstream import Reply
-from relay.redis import get_redis
+from core import auth
+from core.redis import get_redis
+from devkit.upstream import Reply
 from tests.workers import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -1,4 +1,4 @@
-"""relay/db/postgresql: the health check is skipped only for a connection that just answered."""
+"""core/db/postgresql: the health check is skipped only for a connection that just answered."""
 
 import pytest
 from django.db import connection, connections

@@ -1,4 +1,4 @@
-"""The fake provider's batch APIs (relay.demo_batches), driven by the official `openai` and `anthropic` SDKs
+"""The fake provider's batch APIs (devkit.batches), driven by the official `openai` and `anthropic` SDKs
 as a provider-mode relay will drive them: OpenAI Files + Batches and Anthropic Message Batches.
 
 Most tests move the fake's clock by hand (`fake.batches.clock`), so progress is exact and instant; one
@@ -21,7 +21,7 @@ import requests
 from anthropic.types.messages import MessageBatch, MessageBatchIndividualResponse
 from openai.types import Batch, FileObject
 
-from relay.demo_upstream import DemoUpstream, Reply, canned
+from devkit.upstream import DemoUpstream, Reply, canned
 
 T = 10.0  # the jobs' seconds under the hand-moved clock
 START = 1_800_000_000.0
@@ -520,13 +520,13 @@ def test_job_seconds_come_from_the_environment(monkeypatch):
 
 @pytest.mark.e2e
 def test_the_demo_upstream_process_serves_the_batch_apis():
-    """`make run` starts `python -m relay.demo_upstream`: its batch APIs answer there too."""
+    """`make run` starts `python -m devkit.upstream`: its batch APIs answer there too."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "RELAY_DEMO_BATCH_SECONDS": "0.2"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "relay.demo_upstream", "--port", str(port)],
+        [sys.executable, "-m", "devkit.upstream", "--port", str(port)],
         env=env,
         cwd=Path(__file__).resolve().parents[1],
         stdout=subprocess.DEVNULL,

@@ -1,10 +1,10 @@
-"""relay.edge: the live inference routes bypass Django's session, CSRF, auth and messages middleware."""
+"""gateway.edge: the live inference routes bypass Django's session, CSRF, auth and messages middleware."""
 
 import pytest
 from django.urls import resolve
 
-from relay.adapters import LIVE_PATHS, PATH_ADAPTER
-from relay.api.inference import InferenceView
+from gateway.adapters import LIVE_PATHS, PATH_ADAPTER
+from gateway.inference import InferenceView
 
 pytestmark = pytest.mark.django_db
 

@@ -5,7 +5,7 @@ batches to their final state with the demo upstream's canned replies, cancels wh
 and batches whose completion window closes. The rest of the suite runs on PostgreSQL; this module is the
 one that runs the SQLite paths of the lifecycle (claim, finish, stop, dispatch, the worker).
 
-Isolation: the launcher keeps its state in `<checkout>/.relay-embedded` (relay/embedded.py, relay/demo.py
+Isolation: the launcher keeps its state in `<checkout>/.relay-embedded` (relay/embedded.py, devkit/demo.py
 and the settings' SQLite default all derive it from the source tree), so the stack runs from a temporary
 copy of the source packages: its database, secrets, demo key, payloads, beat schedule and gunicorn
 control socket go to that copy's `.relay-embedded`, never to the checkout's (a developer's `make run`
@@ -39,7 +39,7 @@ import pytest
 import redis
 import requests
 
-from relay.demo_upstream import DEMO_BANNER
+from devkit.upstream import DEMO_BANNER
 
 pytestmark = pytest.mark.e2e
 
@@ -70,7 +70,7 @@ def wait_for(predicate, timeout: float, what: str):
 
 
 def canned_answer(prompt: str) -> str:
-    """The demo upstream's reply to a one-message prompt (relay/demo_upstream.py `canned`)."""
+    """The demo upstream's reply to a one-message prompt (devkit/upstream.py `canned`)."""
     return f"{DEMO_BANNER} you said: {prompt}"
 
 
@@ -313,7 +313,7 @@ def expiring(stack) -> Expiring:
 
 
 def test_the_stack_keeps_to_its_own_sqlite_redis_and_state_directory(stack):
-    from relay.redis import get_redis
+    from core.redis import get_redis
 
     r = stack.native("POST", "/v1/batches", json={"shape": "openai", "requests": [chat("where am I stored?")]})
     assert r.status_code == 202, r.text

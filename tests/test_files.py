@@ -20,9 +20,9 @@ from django.test import override_settings
 
 from batches import storage
 from batches.models import File, Payload
+from core.redis import get_redis
+from core.services import create_relay_key
 from policies.models import Policy
-from relay.redis import get_redis
-from relay.services import create_relay_key
 from tests.workers import wait_for
 
 pytestmark = pytest.mark.django_db

@@ -1,5 +1,5 @@
 """Amazon Bedrock as a host kind: Claude through InvokeModel, every call SigV4-signed with botocore's signer and
-checked by the fake Bedrock (relay.demo_clouds) with that same signer, through the real pipeline."""
+checked by the fake Bedrock (devkit.clouds) with that same signer, through the real pipeline."""
 
 import json
 
@@ -7,10 +7,10 @@ import pytest
 import requests
 from django.test import Client
 
+from core.hostkinds.bedrock import sigv4_headers
+from core.models import Host, HostKey
 from policies.models import PolicyHostKey
 from relay.config_apply import ConfigError, apply_config
-from relay.hostkinds.bedrock import sigv4_headers
-from relay.models import Host, HostKey
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -85,7 +85,7 @@ def test_a_wrong_secret_is_refused_by_the_signature_check_and_not_leaked(bedrock
 
 
 def test_a_secret_echoed_by_bedrock_is_scrubbed(bedrock, fake):
-    from relay.demo_upstream import Reply
+    from devkit.upstream import Reply
 
     fake.script(SECRET, [Reply(status=400, body={"message": f"bad request signed by {SECRET}"})])
     resp = post(bedrock, message("br-haiku"))
@@ -124,8 +124,8 @@ def test_a_stream_is_bedrocks_event_stream_turned_back_into_anthropics_sse(bedro
 
 
 def test_an_exception_frame_midstream_becomes_anthropics_error_event():
-    from relay.demo_clouds import bedrock_chunk, bedrock_exception
-    from relay.hostkinds.bedrock import EventStreamAsSSE
+    from core.hostkinds.bedrock import EventStreamAsSSE
+    from devkit.clouds import bedrock_chunk, bedrock_exception
 
     class Wire:  # the upstream stream's interface, fed frames split at awkward places
         status, headers = 200, {"Content-Type": "application/vnd.amazon.eventstream"}
@@ -151,9 +151,9 @@ def test_an_exception_frame_midstream_becomes_anthropics_error_event():
 
 
 def test_a_corrupt_frame_breaks_the_stream_as_a_network_failure():
-    from relay.demo_clouds import bedrock_chunk
-    from relay.hostkinds.bedrock import EventStreamAsSSE
-    from relay.upstream import UpstreamError
+    from core.hostkinds.bedrock import EventStreamAsSSE
+    from devkit.clouds import bedrock_chunk
+    from gateway.upstream import UpstreamError
 
     frame = bytearray(bedrock_chunk(b'data: {"type":"ping"}\n\n'))
     frame[-1] ^= 0xFF  # the message CRC no longer matches
@@ -180,7 +180,7 @@ def test_count_tokens_is_not_served(bedrock, fake):
 
 
 def test_the_region_comes_from_the_runtime_endpoint_when_not_given(catalog):
-    from relay import hostkinds
+    from core import hostkinds
 
     kind = hostkinds.get("bedrock")
     host = Host(kind="bedrock", base_url="https://bedrock-runtime.ap-northeast-1.amazonaws.com", options={})
@@ -258,9 +258,9 @@ def test_the_demo_catalogs_bedrock_host_answers_signed_by_the_demo_key(fake, mon
 
     from django.conf import settings
 
+    from core.models import ServiceAccount
+    from core.services import create_relay_key
     from relay.config_apply import load_file
-    from relay.models import ServiceAccount
-    from relay.services import create_relay_key
 
     doc = load_file(str(Path(settings.BASE_DIR) / "deploy" / "demo-catalog.yaml"))
     for host in doc["hosts"]:

@@ -1,5 +1,5 @@
-"""Host kinds: each host is reached the way its provider takes calls (relay.hostkinds), through the real pipeline
-against the fakes of relay.demo_clouds, and `relay apply` refuses what a kind cannot serve, naming the entry."""
+"""Host kinds: each host is reached the way its provider takes calls (core.hostkinds), through the real pipeline
+against the fakes of devkit.clouds, and `relay apply` refuses what a kind cannot serve, naming the entry."""
 
 import json
 
@@ -7,12 +7,12 @@ import pytest
 import requests
 from django.test import Client
 
+from core import hostkinds
+from core.crypto import sha256_hex
+from core.models import Host, HostBinding, HostKey
+from core.redis import get_redis
 from policies.models import PolicyHostKey
-from relay import hostkinds
 from relay.config_apply import ConfigError, apply_config
-from relay.crypto import sha256_hex
-from relay.models import Host, HostBinding, HostKey
-from relay.redis import get_redis
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -132,7 +132,7 @@ def test_an_unknown_azure_deployment_answers_azures_404(clouds, fake):
 
 
 def test_a_cloud_echoing_its_key_has_it_scrubbed(clouds, fake):
-    from relay.demo_upstream import Reply
+    from devkit.upstream import Reply
 
     for secret in SECRETS.values():
         fake.script(secret, [Reply(status=400, body={"error": {"message": f"bad request for key {secret}"}})])
@@ -256,7 +256,7 @@ def test_a_kind_with_a_known_endpoint_fills_in_the_base_url_and_old_catalogs_sta
 def test_a_binding_on_a_kind_is_checked_in_the_admin_too(catalog, fake):
     from django.core.exceptions import ValidationError
 
-    from relay.admin import HostForm
+    from core.admin import HostForm
 
     host = Host.objects.create(name="g", kind="gemini", base_url=fake.url)
     binding = HostBinding(model=catalog.keys[0].host.bindings.first().model, host=host, adapter="anthropic")
@@ -274,14 +274,14 @@ def test_the_demo_catalog_has_a_host_of_each_cloud_kind_and_each_answers(fake, m
 
     from django.conf import settings
 
+    from core.models import ServiceAccount
+    from core.services import create_relay_key
+    from devkit.demo import on_upstream
     from relay.config_apply import load_file
-    from relay.demo import on_upstream
-    from relay.models import ServiceAccount
-    from relay.services import create_relay_key
 
     doc = load_file(str(Path(settings.BASE_DIR) / "deploy" / "demo-catalog.yaml"))
     monkeypatch.setenv("RELAY_HOSTKEY_DEMO", "demo-upstream-key")
-    apply_config(on_upstream(doc, fake.url))  # as `make run` seeds it (relay.demo.seed_demo)
+    apply_config(on_upstream(doc, fake.url))  # as `make run` seeds it (devkit.demo.seed_demo)
     assert {"azure_openai", "gemini", "openai_compatible"} <= set(Host.objects.values_list("kind", flat=True))
     _, key = create_relay_key(service_account=ServiceAccount.objects.get(name="demo-client"), name="t")
     for model, path in (

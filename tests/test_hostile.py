@@ -14,7 +14,7 @@ from django.conf import settings
 from django.test import Client
 
 from batches.models import Batch, File, Item, Payload
-from relay.api.inference import inference_urls
+from gateway.inference import inference_urls
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -283,7 +283,7 @@ def test_declared_oversize_and_chunked_bodies(probe, fake):
 def test_an_unexpected_exception_is_logged_with_its_request_id_and_answered_500_json(caplog):
     from django.test import RequestFactory
 
-    from relay.edge import EdgeMiddleware
+    from gateway.edge import EdgeMiddleware
 
     request = RequestFactory().post("/v1/chat/completions", data=b"{}", content_type="application/json")
     request.relay_request_id = "req-123"

@@ -13,7 +13,7 @@ from batches import storage
 from batches.models import Batch, File
 from batches.surfaces.openai import validation
 from batches.worker import drain as draining
-from relay.demo_upstream import Reply
+from devkit.upstream import Reply
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -29,8 +29,8 @@ from django.utils import timezone
 from batches import retention
 from batches.models import Attempt, Batch, File, Item, Payload
 from batches.surfaces.openai import finalize, validation
-from relay.demo_upstream import Reply
-from relay.models import User
+from core.models import User
+from devkit.upstream import Reply
 from tests.test_anthropic_lifecycle import create as create_anthropic
 from tests.test_anthropic_lifecycle import req
 from tests.test_openai_lifecycle import create, record, run_all

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import pytest
 
+from core.redis import get_redis
 from policies import keypool
-from relay.redis import get_redis
 
 pytestmark = pytest.mark.integration  # Redis
 

@@ -14,8 +14,9 @@ from batches import storage
 from batches.models import Batch, Item
 from batches.surfaces.openai import read as openai_read
 from batches.surfaces.openai import validation
-from relay import catalog as relay_catalog
-from relay import edge, jsonguard
+from core import catalog as relay_catalog
+from core import jsonguard
+from gateway import edge
 
 pytestmark = pytest.mark.django_db
 

@@ -26,7 +26,7 @@ import pytest
 import requests
 
 from batches.models import Batch
-from relay.demo_upstream import canned
+from devkit.upstream import canned
 from tests.workers import ROOT, free_port, production_web, stop_process_group, wait_for
 from usage.models import UsageEvent
 

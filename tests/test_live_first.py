@@ -14,10 +14,11 @@ from decimal import Decimal
 import pytest
 from django.db import connection
 
+from core import auth
+from core.redis import get_redis
+from gateway import pipeline
 from policies import breaker, keypool, livefirst, provider_limits, ratelimit
 from policies.models import Policy, PolicyHostKey
-from relay import auth, pipeline
-from relay.redis import get_redis
 from tests import factories
 
 CHAT = "/v1/chat/completions"

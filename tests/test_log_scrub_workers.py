@@ -13,8 +13,8 @@ from django.test import Client
 
 from batches import queues
 from batches.models import Batch
+from core.scrub import REDACTED
 from relay.celery import app
-from relay.scrub import REDACTED
 from tests.workers import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -5,8 +5,8 @@ import logging
 
 import pytest
 
+from core.redis import get_redis
 from policies import lua
-from relay.redis import get_redis
 from tests.test_query_counts import redis_round_trips
 
 pytestmark = pytest.mark.integration  # Redis

@@ -13,10 +13,10 @@ from batches import dispatch, ingest
 from batches.lifecycle import claim as claims
 from batches.surfaces.native import submit
 from batches.worker import execute
+from core import auth
+from core.crypto import sha256_hex
 from policies import breaker
 from policies.models import Policy
-from relay import auth
-from relay.crypto import sha256_hex
 from tests import factories
 
 pytestmark = pytest.mark.django_db(transaction=True)  # items run with their heartbeat on its own connection

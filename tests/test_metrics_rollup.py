@@ -10,8 +10,8 @@ import psycopg2
 import pytest
 from django.db import connection
 
+from core.models import SpendRollup, UsageRollup, UsageRollupCursor
 from relay import metrics_rollup
-from relay.models import SpendRollup, UsageRollup, UsageRollupCursor
 from usage.models import UsageEvent
 
 pytestmark = pytest.mark.django_db(transaction=True)  # a second connection commits on its own
@@ -166,7 +166,7 @@ def test_the_upgrade_counts_what_the_usage_rollup_had_already_passed_into_the_sp
     UsageRollupCursor.objects.update_or_create(
         pk=1, defaults={"last_id": in_gap.pk, "gaps": [[in_gap.pk, in_gap.pk, time.time()]]}
     )
-    migration = importlib.import_module("relay.migrations.0005_spend_rollup")
+    migration = importlib.import_module("core.migrations.0005_spend_rollup")
     with connection.schema_editor() as editor:
         migration.backfill(apps, editor)
     today = datetime.now(UTC).date()

@@ -10,7 +10,7 @@ from batches import ingest
 from batches.models import Batch, File
 from batches.surfaces.openai import create as openai_create
 from batches.surfaces.openai import finalize, validation
-from relay import auth
+from core import auth
 
 pytestmark = pytest.mark.django_db
 

@@ -11,9 +11,9 @@ import requests
 from django.test import override_settings
 
 from batches.models import Batch, File, Item
+from core.services import create_relay_key
+from devkit.upstream import Reply
 from policies.models import Policy
-from relay.demo_upstream import Reply
-from relay.services import create_relay_key
 from tests.workers import broker_idle, wait_for
 from usage.models import UsageEvent
 

@@ -27,9 +27,9 @@ from batches.surfaces.openai import finalize, validation
 from batches.surfaces.openai import read as openai_read
 from batches.worker import bookkeeper as keeper
 from batches.worker import execute
-from relay import auth
-from relay.demo_upstream import Reply
-from relay.models import Pricing
+from core import auth
+from core.models import Pricing
+from devkit.upstream import Reply
 from usage import pricing
 from usage.models import UsageEvent
 from usage.pricing import cost_nano_usd
@@ -376,7 +376,7 @@ def test_a_batch_still_validating_when_its_window_closes_expires(catalog):
 
 @runs_items
 def test_sweeper_resends_lost_messages_and_finishes_a_racing_batch(catalog, fake):
-    from relay.redis import get_redis
+    from core.redis import get_redis
 
     batch = create(catalog, [record("a")])
     get_redis().delete("control")  # the validate message is lost

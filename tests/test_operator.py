@@ -178,8 +178,8 @@ def staff_client(client, django_user_model):
 
 @pytest.mark.django_db
 def test_health_page_shows_queues_workers_and_breakers(staff_client, catalog):
+    from core.crypto import sha256_hex
     from policies import breaker
-    from relay.crypto import sha256_hex
 
     breaker.record_failure(sha256_hex("upstream-openai-1")[:12], breaker.Failure.AUTH)
     page = staff_client.get(reverse("admin-health")).content.decode()
@@ -201,7 +201,7 @@ def test_browse_all_items_link_lands_on_the_batch_items(staff_client, catalog):
     import json
 
     from batches.surfaces.native import submit
-    from relay import auth
+    from core import auth
 
     body = {"shape": "openai", "requests": [{"model": "gpt-4o", "messages": []}] * 3}
     batch = submit.submit_native(auth._principal_from_key(catalog.key), io.BytesIO(json.dumps(body).encode()))

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 import pytest
 import redis
 
+from core.redis import get_redis
 from policies import breaker, keypool, ratelimit
 from policies.breaker import Failure
-from relay.redis import get_redis
 from tests import factories
 
 

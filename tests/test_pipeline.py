@@ -7,9 +7,9 @@ import pytest
 import requests
 from django.test import override_settings
 
+from core.models import HostBinding, HostKey, LLMModel
+from devkit.upstream import Reply
 from policies.models import Policy
-from relay.demo_upstream import Reply
-from relay.models import HostBinding, HostKey, LLMModel
 from tests import factories
 from usage.models import UsageEvent
 
@@ -46,7 +46,7 @@ def relay(live_server, catalog):
 
 def wait_for_event(resp) -> None:
     """The usage event of a dispatched request is written just after its answer is sent
-    (relay/api/inference.py): wait for it before looking at usage."""
+    (gateway/inference.py): wait for it before looking at usage."""
     request_id = resp.headers["X-Relay-Request-ID"]
     deadline = time.monotonic() + 10
     while not UsageEvent.objects.filter(request_id=request_id).exists():
@@ -179,8 +179,8 @@ def test_policy_disabled(relay, catalog):
 
 
 def test_no_policy(relay, catalog):
-    from relay.models import ServiceAccount
-    from relay.services import create_relay_key
+    from core.models import ServiceAccount
+    from core.services import create_relay_key
 
     sa = ServiceAccount.objects.create(project=catalog.project, name="no-policy")
     _, key = create_relay_key(service_account=sa)
@@ -291,8 +291,8 @@ def test_client_error_is_not_failed_over(relay, fake):
 
 
 def test_401_opens_the_key_and_later_requests_skip_it(relay, fake):
+    from core.crypto import sha256_hex
     from policies import breaker
-    from relay.crypto import sha256_hex
 
     fake.script("upstream-openai-0", [Reply(status=401, body={"error": {"message": "bad key"}})])
     assert relay.post("/v1/chat/completions", CHAT).status_code == 200  # failed over to key 1
@@ -303,8 +303,8 @@ def test_401_opens_the_key_and_later_requests_skip_it(relay, fake):
 
 
 def test_long_429_opens_for_retry_after_short_one_does_not(relay, fake):
+    from core.crypto import sha256_hex
     from policies import breaker
-    from relay.crypto import sha256_hex
 
     fake.script("upstream-openai-0", [Reply(status=429, headers={"Retry-After": "2"}, body={"error": {}})])
     relay.post("/v1/chat/completions", CHAT)
@@ -316,8 +316,8 @@ def test_long_429_opens_for_retry_after_short_one_does_not(relay, fake):
 
 
 def test_unreachable_host_fails_over_and_benches_every_key_it_tried(relay, catalog, fake):
+    from core.crypto import sha256_hex
     from policies import breaker
-    from relay.crypto import sha256_hex
 
     catalog.hosts["openai"].base_url = "http://127.0.0.1:1"
     catalog.hosts["openai"].save()

@@ -27,7 +27,7 @@ import pytest
 import requests
 
 from batches.models import Batch, Item
-from relay.demo_upstream import Reply
+from devkit.upstream import Reply
 from tests.workers import wait_for
 from usage.models import UsageEvent
 
@@ -390,7 +390,7 @@ def pooled_connection(pgbouncer, **timeouts):
     DATABASE_POOLER=transaction (no connect-time options; timeouts per transaction)."""
     from django.db import connection
 
-    from relay.db.postgresql.base import DatabaseWrapper
+    from core.db.postgresql.base import DatabaseWrapper
 
     options = {k: v for k, v in connection.settings_dict["OPTIONS"].items() if k != "options"}
     values = {"statement_timeout": 60_000, "lock_timeout": 10_000, "idle_in_transaction_session_timeout": 30_000}

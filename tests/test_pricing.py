@@ -4,7 +4,7 @@ from fractions import Fraction
 
 import pytest
 
-from relay.models import Pricing
+from core.models import Pricing
 from usage.pricing import cost_nano_usd
 from usage.tokens import Tokens
 

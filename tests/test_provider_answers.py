@@ -9,10 +9,10 @@ from email.utils import formatdate
 import pytest
 from django.test import Client
 
+from core import jsonguard, scrub
+from core.retry_after import MAX_SECONDS, parse_retry_after
+from devkit.upstream import Reply
 from policies import breaker
-from relay import jsonguard, scrub
-from relay.demo_upstream import Reply
-from relay.retry_after import MAX_SECONDS, parse_retry_after
 
 CHAT = {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}
 KEYS = ["upstream-openai-0", "upstream-openai-1", "upstream-openai-2"]
@@ -117,7 +117,7 @@ def test_upstream_retry_after_is_bounded_for_breakers_and_clients(live, fake, va
     else:
         assert abs(int(resp["Retry-After"]) - expected) <= 2
     # No key is benched for longer than the cap.
-    from relay.crypto import sha256_hex
+    from core.crypto import sha256_hex
 
     for key in KEYS:
         until = breaker.snapshot(sha256_hex(key)[:12])["open_until"]

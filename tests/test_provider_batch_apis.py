@@ -17,7 +17,7 @@ import pytest
 from batches.models import Item
 from batches.provider import wire
 from batches.provider.models import ProviderJob
-from relay.models import Adapter, HostBinding
+from core.models import Adapter, HostBinding
 from tests.test_provider_batches import chat, drive, openai_batch
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

@@ -21,9 +21,9 @@ from batches.surfaces.anthropic import read as anthropic_read
 from batches.surfaces.openai import create as openai_create
 from batches.surfaces.openai import finalize, validation
 from batches.surfaces.openai import read as openai_read
-from relay import auth
-from relay.demo_upstream import Reply
-from relay.models import HostBinding, HostKey, Pricing
+from core import auth
+from core.models import HostBinding, HostKey, Pricing
+from devkit.upstream import Reply
 from usage.models import UsageEvent
 from usage.pricing import cost_nano_usd, provider_batch_cost
 from usage.tokens import Tokens
@@ -336,7 +336,7 @@ def test_cancel_before_the_job_is_sent_cancels_its_records(catalog, provider):
 
 
 def test_a_revoked_credential_stops_the_job_before_it_is_sent(catalog, provider):
-    from relay.services import revoke_relay_key
+    from core.services import revoke_relay_key
 
     batch = openai_batch(catalog, [chat("a")])
     revoke_relay_key(catalog.key_obj)

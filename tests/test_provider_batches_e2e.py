@@ -14,8 +14,8 @@ from django.db import connection
 
 from batches.models import Batch, Item
 from batches.provider.models import JobStatus, ProviderJob
-from relay.models import HostBinding, LLMModel
-from relay.redis import get_redis
+from core.models import HostBinding, LLMModel
+from core.redis import get_redis
 from tests.test_batch_real_world import _pg_cluster
 from tests.test_openai_batches import jsonl, wait_status
 from tests.test_provider_batches import chat, openai_batch

@@ -8,11 +8,11 @@ import pytest
 from django.test import Client
 
 from batches.provider.models import ProviderJob
-from relay import crypto
-from relay.admin import HostKeyForm
+from core import crypto
+from core.admin import HostKeyForm
+from core.models import HostBinding, HostKey, Pricing
+from devkit.upstream import Reply
 from relay.config_apply import ConfigError, apply_config
-from relay.demo_upstream import Reply
-from relay.models import HostBinding, HostKey, Pricing
 from tests.test_provider_batches import drive, fast_polls, openai_batch  # noqa: F401 - fast_polls is a fixture
 from usage.models import UsageEvent
 from usage.pricing import cost_nano_usd, provider_batch_cost

@@ -24,8 +24,8 @@ from batches.surfaces.openai import validation
 from batches.worker import bookkeeper as keeper
 from batches.worker import drain as draining
 from batches.worker import execute
-from relay import auth
-from relay.demo_upstream import Reply
+from core import auth
+from devkit.upstream import Reply
 
 pytestmark = pytest.mark.django_db
 runs_items = pytest.mark.django_db(transaction=True)

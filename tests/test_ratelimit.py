@@ -10,9 +10,9 @@ import pickle
 
 import pytest
 
+from core.redis import get_redis
 from policies.models import RateLimitRule
 from policies.ratelimit import RateLimited, reserve
-from relay.redis import get_redis
 from tests import factories
 from tests.workers import wait_for
 

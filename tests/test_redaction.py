@@ -28,9 +28,9 @@ from batches.surfaces.native import submit
 from batches.surfaces.openai import create as openai_create
 from batches.surfaces.openai import finalize, validation
 from batches.worker import execute
-from relay import auth, scrub
-from relay.demo_upstream import Reply
-from relay.models import Host
+from core import auth, scrub
+from core.models import Host
+from devkit.upstream import Reply
 from usage.models import UsageEvent
 
 OPENAI_KEYS = ["upstream-openai-0", "upstream-openai-1", "upstream-openai-2"]
@@ -261,10 +261,10 @@ def _closed_port() -> int:
 def test_an_unreachable_provider_is_named_by_cause_not_by_address(catalog, fake, caplog):
     port = _closed_port()
     Host.objects.filter(name__in=["openai", "anthropic"]).update(base_url=f"http://127.0.0.1:{port}")
-    from relay import catalog as relay_catalog
+    from core import catalog as relay_catalog
 
     relay_catalog.bump()
-    caplog.set_level(logging.WARNING, logger="relay.pipeline")
+    caplog.set_level(logging.WARNING, logger="gateway.pipeline")
     resp = Client().post(
         "/v1/chat/completions", data=json.dumps(CHAT), content_type="application/json", **_auth(catalog)
     )

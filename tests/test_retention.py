@@ -21,8 +21,8 @@ from batches.models import Batch, File, OutputExpiry, Payload
 from batches.surfaces.native import submit
 from batches.surfaces.openai import finalize, validation
 from batches.worker import execute
-from relay import auth
-from relay.models import RevokedToken, User
+from core import auth
+from core.models import RevokedToken, User
 from tests.test_openai_lifecycle import create, record, run_all, storage_file
 
 pytestmark = pytest.mark.django_db

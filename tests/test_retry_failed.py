@@ -26,10 +26,10 @@ from batches.surfaces.anthropic import create as anthropic_create
 from batches.surfaces.native import submit
 from batches.surfaces.openai import create as openai_create
 from batches.surfaces.openai import finalize, validation
+from core import auth
+from core.services import create_relay_key, revoke_relay_key
+from devkit.upstream import Reply
 from policies.models import Policy
-from relay import auth
-from relay.demo_upstream import Reply
-from relay.services import create_relay_key, revoke_relay_key
 from tests.workers import wait_for
 
 e2e = pytest.mark.django_db(transaction=True)

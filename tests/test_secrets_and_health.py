@@ -7,8 +7,8 @@ import sys
 import pytest
 from django.test import override_settings
 
-from relay import crypto
-from relay.models import HostKey
+from core import crypto
+from core.models import HostKey
 
 pytestmark = pytest.mark.django_db
 

@@ -19,10 +19,10 @@ import pytest
 from django.conf import settings
 from django.db import connection
 
+from core.redis import get_redis
 from policies import breaker, keypool
 from policies.breaker import Failure
 from policies.ratelimit import RateLimited, reserve
-from relay.redis import get_redis
 from tests import factories
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -315,7 +315,7 @@ def _run_items() -> None:
 
 def _stored_file(catalog, data: bytes) -> File:
     from batches.surfaces.openai import files
-    from relay import auth
+    from core import auth
 
     owner = auth.principal_for_key(catalog.key)
     return files.write_file(owner, purpose="batch", filename="in.jsonl", chunks=[data])
@@ -324,7 +324,7 @@ def _stored_file(catalog, data: bytes) -> File:
 def _native(catalog, n: int) -> Batch:
     from batches import ingest
     from batches.surfaces.native import submit
-    from relay import auth
+    from core import auth
 
     body = {"shape": "openai", "requests": [record(str(i), f"hi {i}")["body"] for i in range(n)]}
     with ingest.read_submission(io.BytesIO(json.dumps(body).encode()), 10**8, 50_000) as submission:

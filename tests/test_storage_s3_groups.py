@@ -19,8 +19,8 @@ from batches.provider import results as provider_results
 from batches.surfaces.openai import finalize
 from batches.worker import bookkeeper as keeper
 from batches.worker.execute import run_item
-from relay.demo_upstream import Reply
-from relay.models import HostBinding
+from core.models import HostBinding
+from devkit.upstream import Reply
 from tests.test_provider_batches import chat, drive, openai_batch, output_lines
 from tests.test_storage_s3 import _native, bucket, s3_endpoint, s3_workers  # noqa: F401 - fixtures
 from tests.workers import wait_for

@@ -1,11 +1,12 @@
-"""What a stream cut before the provider's usage is billed (relay.streaming.Events, relay.pipeline.finish_stream):
-the output estimated from the deltas relayed, measured against the fake provider's own counts at every point a
-stream can be cut, on each provider's event format. No server: the fake's events are fed to the cutter."""
+"""What a stream cut before the provider's usage is billed (gateway.streaming.Events,
+gateway.pipeline.finish_stream): the output estimated from the deltas relayed, measured against the fake
+provider's own counts at every point a stream can be cut, on each provider's event format. No server: the fake's
+events are fed to the cutter."""
 
 import pytest
 
-from relay import streaming
-from relay.demo_upstream import canned, canned_events
+from devkit.upstream import canned, canned_events
+from gateway import streaming
 
 pytestmark = pytest.mark.unit
 

@@ -15,8 +15,8 @@ import openai
 import pytest
 import requests
 
-from relay import streaming
-from relay.demo_upstream import Reply, canned
+from devkit.upstream import Reply, canned
+from gateway import streaming
 from tests import factories
 from tests.workers import production_web, wait_for
 from usage.models import UsageEvent
@@ -511,7 +511,7 @@ def _auth(catalog) -> dict:
 
 @pytest.mark.unit
 def test_events_are_passed_whole_however_the_reads_cut_them():
-    events, first = __import__("relay.demo_upstream", fromlist=["canned_events"]).canned_events(
+    events, first = __import__("devkit.upstream", fromlist=["canned_events"]).canned_events(
         "/v1/chat/completions", dict(CHAT, stream_options={"include_usage": True})
     )
     raw = b"".join(events)

@@ -17,7 +17,7 @@ from django.test import Client, override_settings
 from batches import intake
 from batches.models import Batch, Item
 from batches.surfaces.native import submit
-from relay import auth
+from core import auth
 from tests.workers import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)

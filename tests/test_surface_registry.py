@@ -16,7 +16,7 @@ from batches.errors import OpenAIError
 from batches.models import Batch, BatchStatus, Surface
 from batches.surfaces import installed, registry
 from batches.webhooks import events
-from relay.errors import AnthropicError, RelayError
+from core.errors import AnthropicError, RelayError
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -167,7 +167,7 @@ def test_a_surface_package_does_not_import_another():
 
 
 def test_the_edge_names_no_surface_route_and_imports_nothing_of_batches():
-    """The edge answers on a surface's routes what the surface registered (relay/edge.py `register_routes`)."""
+    """The edge answers on a surface's routes what the surface registered (gateway/edge.py `register_routes`)."""
     tree = ast.parse((ROOT / "relay" / "edge.py").read_text())
     imports = [
         node.module if isinstance(node, ast.ImportFrom) else alias.name

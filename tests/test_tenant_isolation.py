@@ -18,12 +18,12 @@ from batches.lifecycle import claim as claims
 from batches.models import Item
 from batches.surfaces.native import submit
 from batches.worker import execute
+from core import auth
+from core.crypto import sha256_hex
+from core.models import ServiceAccount
+from core.services import create_relay_key
+from devkit.upstream import Reply
 from policies import breaker
-from relay import auth
-from relay.crypto import sha256_hex
-from relay.demo_upstream import Reply
-from relay.models import ServiceAccount
-from relay.services import create_relay_key
 from usage.models import UsageEvent
 
 pytestmark = pytest.mark.django_db(transaction=True)

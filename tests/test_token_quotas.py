@@ -15,10 +15,10 @@ from batches import ingest
 from batches.models import Batch, Item
 from batches.surfaces.openai import create as openai_create
 from bench.capacity import TokenLimitedUpstream, start
+from core import auth
+from core.redis import get_redis
 from policies import keypool, provider_limits
 from policies.models import PolicyHostKey
-from relay import auth
-from relay.redis import get_redis
 from tests.workers import wait_for
 from usage.tokens import Tokens
 

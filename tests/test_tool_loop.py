@@ -1,4 +1,4 @@
-"""`run_tool_loop` end to end: relay.pipeline.dispatch for every model invocation (fake upstream on
+"""`run_tool_loop` end to end: gateway.pipeline.dispatch for every model invocation (fake upstream on
 loopback, real routing, limits, key pool and usage events) and real HTTPS / MCP executors."""
 
 import copy
@@ -10,8 +10,9 @@ import pytest
 
 from batches.tools import run_tool_loop
 from batches.tools.config import parse_tool_config
-from relay import auth, pipeline
-from relay.demo_upstream import Reply
+from core import auth
+from devkit.upstream import Reply
+from gateway import pipeline
 from tests.tls.servers import Step
 from usage.models import UsageEvent
 from usage.services import record_event

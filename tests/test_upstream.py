@@ -1,4 +1,4 @@
-"""relay.upstream: keep-alive per host, and a stopped call really ends its connection.
+"""gateway.upstream: keep-alive per host, and a stopped call really ends its connection.
 
 A raw-socket fake provider records every connection it accepts and the moment the
 client closes it, so the tests see what a provider would see."""
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from relay import upstream
+from gateway import upstream
 
 pytest_plugins = ["tests.tls.fixtures"]
 

@@ -10,11 +10,11 @@ from django.db import connections, transaction
 from django.urls import reverse
 from django.utils import timezone
 
-from relay import auth
+from core import auth
+from relay.reports.selectors import DIMENSIONS
 from tests import factories
 from tests.workers import wait_for
 from usage.models import UsageEvent
-from usage.selectors import DIMENSIONS
 from usage.services import record_event
 from usage.tokens import Tokens
 

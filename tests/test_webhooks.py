@@ -14,8 +14,8 @@ from standardwebhooks import Webhook
 
 from batches.models import Batch
 from batches.webhooks.models import Delivery, DeliveryAttempt
-from relay.demo_upstream import Reply
-from relay.redis import get_redis
+from core.redis import get_redis
+from devkit.upstream import Reply
 from tests.webhook_receiver import Receiver
 from tests.workers import wait_for
 

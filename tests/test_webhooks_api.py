@@ -21,9 +21,9 @@ from batches.models import Batch, BatchStatus, Surface
 from batches.webhooks import delivery as deliveries
 from batches.webhooks import housekeeping, services
 from batches.webhooks.models import Delivery, DeliveryAttempt, Event, WebhookEndpoint
-from relay.auth import principal_for_key
-from relay.models import ServiceAccount
-from relay.services import create_relay_key
+from core.auth import principal_for_key
+from core.models import ServiceAccount
+from core.services import create_relay_key
 from tests.webhook_receiver import Receiver
 
 pytestmark = pytest.mark.django_db

@@ -22,9 +22,9 @@ from batches.models import Batch
 from batches.webhooks import delivery as deliveries
 from batches.webhooks import events, guard, housekeeping, lane, services
 from batches.webhooks.models import Delivery, DeliveryAttempt, Event, WebhookEndpoint
-from relay.auth import principal_for_key
-from relay.models import ServiceAccount
-from relay.services import create_relay_key
+from core.auth import principal_for_key
+from core.models import ServiceAccount
+from core.services import create_relay_key
 from tests.webhook_receiver import Receiver
 from tests.workers import wait_for
 

@@ -10,7 +10,7 @@ import pytest
 from batches.webhooks import delivery as deliveries
 from batches.webhooks import guard, signing
 from batches.webhooks.models import WebhookEndpoint
-from relay import crypto
+from core import crypto
 
 
 class KeepAlive:

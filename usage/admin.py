@@ -13,8 +13,8 @@ from django.contrib import admin
 from django.urls import reverse
 from django.utils.html import format_html
 
-from relay.admin_base import ChoicesFilter, LargeTableAdmin, NamedOwnersChangeList, owner_label, short_id, usd
-from relay.models import LLMModel, Project
+from core.admin_base import ChoicesFilter, LargeTableAdmin, NamedOwnersChangeList, owner_label, short_id, usd
+from core.models import LLMModel, Project
 from usage import budgets
 from usage.models import Budget, UsageEvent
 
@@ -74,7 +74,7 @@ class UsageEventAdmin(LargeTableAdmin):
         "batch_link",
     )
     # The table grows by one row per request: no filter reads its distinct values from the table, and
-    # the page count is the planner's estimate past 10,000 rows (relay.admin_base.LargeTableAdmin).
+    # the page count is the planner's estimate past 10,000 rows (core.admin_base.LargeTableAdmin).
     list_filter = ("source", "executed_by", StatusClassFilter, CatalogModelFilter, ProjectFilter, "ts")
     search_fields = ("request_id", "model", "project", "error_kind")
     ordering = ("-ts", "-request_id")

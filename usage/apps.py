@@ -17,6 +17,6 @@ class UsageConfig(AppConfig):
 
 
 def _bump(sender, **kwargs):
-    from relay import catalog
+    from core import catalog
 
     catalog.bump()

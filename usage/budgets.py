@@ -35,8 +35,8 @@ from django.db.models import F, Sum
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
-from relay import catalog
-from relay.errors import RelayError
+from core import catalog
+from core.errors import RelayError
 from usage.models import SCOPE_KINDS, Budget, BudgetHold, BudgetPeriod, Period, UsageEvent
 from usage.pricing import cost_nano_usd, discounted
 from usage.tokens import Tokens
@@ -519,25 +519,6 @@ def standings(budgets: list[Budget], now: datetime | None = None) -> list[Standi
     return result
 
 
-def reserve_for_batch_call(call) -> Hold | None:
-    """A batch record's worst case (price × its most possible tokens, less its discount) reserved on the spend
-    budgets governing it, before its call (relay.pipeline); None when none does. Raises BudgetExceeded. A live
-    call is checked and charged by its view instead.
-
-    The worst case is a bound (usage.tokens.worst_case), not the size estimate the provider quotas reserve:
-    every slot of every worker reserves at once, and a record that costs more than it reserved overshoots the
-    budget by the difference, so with estimates the overshoot grew with the slots in flight."""
-    from relay import routing
-    from usage.tokens import worst_case
-
-    if call.source != "batch" or not applicable(call.principal, call.policy):
-        return None
-    policy = call.policy or routing.load_policy(call.principal.policy_id)
-    route = routing.resolve(policy, call.body.get("model"))  # cached; a routing error is the call's answer
-    worst = worst_case_nanos(route.binding.pricing, worst_case(call.body), batch_discount_percent=call.discount_percent)
-    return reserve(call.principal, policy, worst)
-
-
 def settle_quietly(hold: Hold | None, billed: int | None, request_id: str) -> None:
     """`settle` after a call whose answer stands whatever happens here: a settle that fails leaves the hold
     to expire and be reclaimed (`reclaim_expired`), never the call failed."""
@@ -580,7 +561,6 @@ __all__ = [
     "metric_rows",
     "period_bounds",
     "reclaim_expired",
-    "reserve_for_batch_call",
     "settle_quietly",
     "reserve",
     "settle",

@@ -22,7 +22,7 @@ from django.db import models
 from django.db.models import Q
 from django.utils import timezone
 
-from relay.generation import CatalogQuerySet
+from core.generation import CatalogQuerySet
 
 
 class Source(models.TextChoices):
@@ -75,7 +75,7 @@ class UsageEvent(models.Model):
     executed_by = models.CharField(max_length=16, choices=ExecutedBy.choices, default=ExecutedBy.RELAY)
     # The token counts are the relay's estimate, not the provider's: a stream that ended before the provider's
     # usage arrived (the client hung up, the stream broke) is billed its prompt's size and the text relayed
-    # so far (relay.streaming), because the provider bills it all the same.
+    # so far (gateway.streaming), because the provider bills it all the same.
     usage_estimated = models.BooleanField(default=False)
 
     class Meta:

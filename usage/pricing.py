@@ -7,7 +7,7 @@ product. An unpriced event has cost None, not 0: a null rate charged for real
 tokens is unknown, and summaries count such events apart.
 """
 
-from relay.models import Pricing
+from core.models import Pricing
 from usage.tokens import Tokens
 
 PER_MILLION = 1_000_000

@@ -14,7 +14,7 @@ from batches.api.views import _AnyAccept, answer, answer_with_status
 from batches.models import Surface
 from batches.surfaces import common, registry, retry
 from batches.surfaces.anthropic import read as anthropic_read
-from relay.api.authentication import RelayCredentialAuthentication
+from core.authentication import RelayCredentialAuthentication
 
 
 class _AnthropicView(APIView):

@@ -21,8 +21,8 @@ from batches.models import Batch, Surface
 from batches.surfaces import common, registry, retry
 from batches.surfaces.openai import files, serialize
 from batches.surfaces.openai import read as openai_read
-from relay.api.authentication import RelayCredentialAuthentication
-from relay.errors import clipped
+from core.authentication import RelayCredentialAuthentication
+from core.errors import clipped
 
 
 class _AnyAccept(BaseContentNegotiation):

@@ -7,8 +7,8 @@ from django.urls import reverse
 from django.utils.html import format_html, format_html_join
 
 from batches.provider.models import ProviderJob
-from relay.admin_base import SURFACE_NAMES, ChoicesFilter, ViewOnlyAdmin, short_id
-from relay.models import HostKey
+from core.admin_base import SURFACE_NAMES, ChoicesFilter, ViewOnlyAdmin, short_id
+from core.models import HostKey
 
 
 class KindFilter(ChoicesFilter):

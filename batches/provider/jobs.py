@@ -38,13 +38,15 @@ from batches.provider.lease import move as _set
 from batches.provider.lease import renewer as _renewer
 from batches.provider.lease import take as _take
 from batches.provider.models import OPEN_JOB_STATUSES, JobStatus, ProviderJob
+from core import auth, catalog, scrub
+from core.crypto import SecretUnavailable, sha256_hex
+from core.errors import RelayError
+from core.models import BatchMode, HostBinding, HostKey
+from gateway import pipeline, routing
+from gateway.upstream import UpstreamError
 from policies import breaker, keypool, ratelimit
+from policies import selectors as policy_selectors
 from policies.breaker import Failure
-from relay import auth, catalog, pipeline, routing, scrub
-from relay.crypto import SecretUnavailable, sha256_hex
-from relay.errors import RelayError
-from relay.models import BatchMode, HostBinding, HostKey
-from relay.upstream import UpstreamError
 from usage import budgets, job_budgets
 from usage.tokens import worst_case
 
@@ -105,7 +107,7 @@ def _release_ended_holds(limit: int) -> int:
 
 def _why(text: str) -> str:
     """A job's error as stored and shown: the provider's words can quote anything it holds (a key, a
-    caller's secret), so they pass the scrubber (relay.scrub) first."""
+    caller's secret), so they pass the scrubber (core.scrub) first."""
     return scrub.scrub_text(str(text))[:500]
 
 
@@ -198,7 +200,7 @@ def _context(job: ProviderJob, pick: bool = False) -> "_Context | None":
     if batch is None or binding is None:
         return None
     snap = catalog.held()
-    policy = catalog.policy(batch.policy_id, snap) if batch.policy_id else None
+    policy = policy_selectors.policy(batch.policy_id, snap) if batch.policy_id else None
     route = None
     if policy is not None:
         try:
@@ -365,7 +367,7 @@ def _wait_budget(job: ProviderJob, exc) -> None:
 def _write_records(job: ProviderJob, binding, records: wire.InputFile, discount_percent: int) -> int:
     """The job's records in the shape its API takes: the binding's upstream model name, nothing relay-owned.
     Returns their summed worst case (price × the most tokens each can be billed, less the batch's discount:
-    what a relay-run record reserves, usage.budgets.reserve_for_batch_call; an unpriced model counts 0)."""
+    what a relay-run record reserves, gateway.admit.reserve_for_batch_call; an unpriced model counts 0)."""
     rows = Item.objects.filter(provider_job_id=job.pk, state=ItemState.DELEGATED).order_by("idx")
     chunk: list = []
     worst = [0]

@@ -22,9 +22,11 @@ from batches.models import Batch, ItemState, Surface
 from batches.provider import wire
 from batches.provider.models import JobStatus, ProviderJob
 from batches.tools import config as tools_config
-from relay import catalog, routing
-from relay.errors import RelayError
-from relay.models import BatchMode, HostBinding
+from core import catalog
+from core.errors import RelayError
+from core.models import BatchMode, HostBinding
+from gateway import routing
+from policies import selectors as policy_selectors
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +61,7 @@ class Planner:
         # Nothing to decide unless some binding sends batches to its provider (one indexed look).
         active = HostBinding.objects.filter(enabled=True).exclude(batch_mode=BatchMode.RELAY).exists()
         if active and batch.surface != Surface.NATIVE and batch.policy_id:
-            self.policy = catalog.policy(batch.policy_id, self.snapshot)
+            self.policy = policy_selectors.policy(batch.policy_id, self.snapshot)
         self.routes: dict = {}  # model name → Route or None
         self.open: dict = {}  # binding id → the job filling up
         self.jobs: list[ProviderJob] = []

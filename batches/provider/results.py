@@ -15,8 +15,8 @@ from batches.lifecycle import delegated, stop
 from batches.models import Item, ItemState
 from batches.outcomes import Code
 from batches.provider import placement
-from relay import scrub
-from relay.models import BatchMode
+from core import scrub
+from core.models import BatchMode
 from usage import budgets, job_budgets
 from usage.models import UsageEvent
 from usage.pricing import cost_nano_usd, discounted, provider_batch_cost

@@ -16,10 +16,10 @@ from batches import storage
 from batches.errors import no_batch_access
 from batches.models import Batch, Item, ItemState
 from batches.provider.models import JobStatus, ProviderJob
+from core.auth import Principal
+from core.errors import RelayError, quoted
+from core.http import ascii_int
 from policies.models import Policy
-from relay.auth import Principal
-from relay.errors import RelayError, quoted
-from relay.http import ascii_int
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from batches.surfaces import registry
 from batches.surfaces.anthropic.surface import AnthropicSurface
 from batches.surfaces.native.surface import NativeSurface
 from batches.surfaces.openai.surface import OpenAISurface
-from relay import edge
+from gateway import edge
 
 SURFACES = (
     NativeSurface(),

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from django.db.models import Q
 
 from batches.models import Batch, Surface
-from relay.errors import RelayError
+from core.errors import RelayError
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class BatchSurface:
         """(status, body) of a retry (`retried`: batches.surfaces.retry.Retried)."""
         raise NotImplementedError
 
-    # --- the edge (relay/edge.py `Routes`: what it answers before a view, by path) ----------------
+    # --- the edge (gateway/edge.py `Routes`: what it answers before a view, by path) ----------------
 
     def edge_error(self, path: str, status: int, code: str, message: str, param: str | None) -> RelayError | None:
         """A refusal of the edge on one of its routes, in its envelope; None for any other path."""

@@ -31,8 +31,8 @@ from batches.models import PENDING_STATES, Batch, Item, ItemState
 from batches.outcomes import Code
 from batches.surfaces import registry
 from batches.surfaces.registry import BatchSurface
-from relay.auth import Principal
-from relay.errors import RelayError
+from core.auth import Principal
+from core.errors import RelayError
 
 log = logging.getLogger(__name__)
 

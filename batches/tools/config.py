@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from batches.outcomes import Code
 from batches.tools import netguard
-from relay.errors import clipped, quoted
+from core.errors import clipped, quoted
 
 # Failure codes a record can end with (docs/tool-calling.md lists them with
 # their meaning): members of the one set of item failure codes, batches.outcomes.Code.

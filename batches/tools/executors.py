@@ -42,7 +42,7 @@ from batches.tools.config import (
     ToolConfig,
     ToolError,
 )
-from relay.errors import quoted
+from core.errors import quoted
 
 MiB = 1024 * 1024
 # The largest answer an executor may send for one round (http), or per tool call (mcp).

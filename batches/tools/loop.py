@@ -2,7 +2,7 @@
 
 `run_tool_loop(first_body, tool_config, custom_id, invoke)` knows nothing of
 items, storage or usage rows: the caller's `invoke(body, round_no)` runs one
-model invocation through the pipeline (`relay.pipeline.dispatch`, with its own
+model invocation through the pipeline (`gateway.pipeline.dispatch`, with its own
 request_id) and returns its Outcome; this module decides what happens between
 invocations. So every invocation keeps routing, limits, key pool, breakers and
 its own usage event, and the item runner records them all when it finishes the
@@ -40,7 +40,7 @@ from batches.tools.config import (
     extract,
     parse_tool_config,
 )
-from relay.pipeline import Outcome
+from gateway.pipeline import Outcome
 
 Invoke = Callable[[dict, int], Outcome]
 

@@ -1,6 +1,6 @@
 """SSRF guard for tool executors: the one way the relay opens a connection to a user-supplied URL.
 
-Executors are not providers (those go through `relay.upstream`): their URL comes
+Executors are not providers (those go through `gateway.upstream`): their URL comes
 from whoever submitted the batch, so every executor call goes through here:
 
 1. `parse_url`: https only, a host, no userinfo, a sane port.

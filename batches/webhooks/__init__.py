@@ -8,7 +8,7 @@ Rooms, bottom up (a module imports only those below it):
     events.py      the event types and bodies per surface                      (batches.surfaces.registry)
     signing.py     secrets and Standard Webhooks signatures                    (stdlib)
     guard.py       where a delivery may go: the SSRF guard of tool executors   (batches.tools.netguard)
-    outbox.py      the event rows written inside a batch's final move; wake    (models, events, relay.redis)
+    outbox.py      the event rows written inside a batch's final move; wake    (models, events, core.redis)
     delivery.py    claim, one POST, its record, retries, pausing               (outbox, signing, guard)
     housekeeping.py  probes of failing endpoints, retention                    (delivery)
     lane.py        the lane process: fair, capped picks, many POSTs at once    (delivery, housekeeping, outbox)

@@ -10,7 +10,7 @@ from django.utils.html import format_html
 
 from batches.webhooks import services
 from batches.webhooks.models import Delivery, DeliveryAttempt, WebhookEndpoint
-from relay.admin_base import ViewOnlyAdmin, short_id
+from core.admin_base import ViewOnlyAdmin, short_id
 
 
 @admin.register(WebhookEndpoint)

@@ -49,7 +49,7 @@ from batches.models import Batch
 from batches.tools import netguard
 from batches.webhooks import guard, outbox, signing
 from batches.webhooks.models import Delivery, DeliveryAttempt, DeliveryOutcome, WebhookEndpoint
-from relay import crypto
+from core import crypto
 
 log = logging.getLogger(__name__)
 

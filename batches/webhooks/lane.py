@@ -41,7 +41,7 @@ from django.utils import timezone
 
 from batches.webhooks import delivery, housekeeping, outbox
 from batches.webhooks.models import Delivery, WebhookEndpoint
-from relay.redis import get_redis
+from core.redis import get_redis
 
 log = logging.getLogger(__name__)
 

@@ -43,7 +43,7 @@ class WebhookEndpoint(models.Model):
     name = models.CharField(max_length=200)
     url = models.CharField(max_length=2000)
     event_types = models.JSONField(default=list)
-    # `whsec_…`, sealed with the master key (relay.crypto); never shown again after create/rotate.
+    # `whsec_…`, sealed with the master key (core.crypto); never shown again after create/rotate.
     secret_sealed = models.TextField()
     secret_hint = models.CharField(max_length=32)
     # The secret before the last rotation, signed with too while it overlaps (keep_old_secret_active_for_24_hours).

@@ -15,7 +15,7 @@ from django.utils import timezone
 from batches.models import Batch
 from batches.webhooks import events
 from batches.webhooks.models import Delivery, Event, WebhookEndpoint
-from relay.redis import get_redis
+from core.redis import get_redis
 
 log = logging.getLogger(__name__)
 

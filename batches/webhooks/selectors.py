@@ -10,8 +10,8 @@ from django.utils import timezone
 from batches.errors import invalid, not_found
 from batches.surfaces import common
 from batches.webhooks.models import Delivery, DeliveryAttempt, DeliveryOutcome, WebhookEndpoint
-from relay.auth import Principal
-from relay.errors import clipped, quoted
+from core.auth import Principal
+from core.errors import clipped, quoted
 
 _PUBLIC_ID = re.compile(r"(we_|wh_)([0-9a-f]{32})")
 # Attempts a delivery object shows (the latest first); the admin shows them all.

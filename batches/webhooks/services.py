@@ -16,9 +16,9 @@ from django.utils import timezone
 from batches.errors import invalid, missing
 from batches.webhooks import events, guard, outbox, signing
 from batches.webhooks.models import Delivery, DeliveryOutcome, Event, WebhookEndpoint
-from relay import crypto
-from relay.auth import Principal
-from relay.errors import RelayError, quoted
+from core import crypto
+from core.auth import Principal
+from core.errors import RelayError, quoted
 
 log = logging.getLogger(__name__)
 

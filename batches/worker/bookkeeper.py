@@ -19,7 +19,7 @@ from django.utils import timezone
 from batches import storage
 from batches.lifecycle import finish
 from batches.models import Batch, Item, ItemState
-from relay import upstream
+from gateway import upstream
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,10 @@ from batches.tools import config as tools_config
 from batches.tools.loop import run_tool_loop
 from batches.worker import waits
 from batches.worker.bookkeeper import FinalWrite, Heartbeat
-from relay import auth, catalog, jsonguard, pipeline
-from relay.errors import RelayError
+from core import auth, catalog, jsonguard
+from core.errors import RelayError
+from gateway import pipeline
+from policies import selectors as policy_selectors
 from usage.pricing import with_batch_price
 from usage.services import event_row
 
@@ -132,7 +134,7 @@ def _waiting_route(batch: Batch, run: "_Run"):
     if not host or not batch.policy_id:
         return None
     snapshot = catalog.held()
-    policy = catalog.policy(batch.policy_id, snapshot)
+    policy = policy_selectors.policy(batch.policy_id, snapshot)
     if policy is None:
         return None
     try:
@@ -212,7 +214,7 @@ def _execute(batch: Batch, item: Item, principal, deadline: float, hb: Heartbeat
         auth.recheck(principal, snapshot)
     except RelayError as exc:  # AuthError, or the token's project is gone
         return _credential_gone(exc.message)
-    policy = catalog.policy(batch.policy_id, snapshot) if batch.policy_id else None
+    policy = policy_selectors.policy(batch.policy_id, snapshot) if batch.policy_id else None
     if policy is None or not policy.enabled:
         return _policy_gone()
     try:
@@ -249,7 +251,7 @@ def _execute(batch: Batch, item: Item, principal, deadline: float, hb: Heartbeat
                 batch_id=str(batch.id),
                 discount_percent=batch.discount_percent,
                 # Native items must match their shape's adapter (decision 0003); an OpenAI or Anthropic record
-                # routes as the live call to its endpoint would (relay.adapters.PATH_ADAPTER).
+                # routes as the live call to its endpoint would (gateway.adapters.PATH_ADAPTER).
                 required_adapter=batch.inbound_shape if batch.surface == Surface.NATIVE else None,
                 policy=policy,
                 failover_on_server_error=not batch.retry_transient,

@@ -36,9 +36,9 @@ from django.utils import timezone
 from batches import dispatch, storage
 from batches.lifecycle import claim
 from batches.models import Item, ItemState
-from relay import routing
-from relay.errors import RelayError
-from relay.redis import get_redis
+from core.errors import RelayError
+from core.redis import get_redis
+from gateway import routing
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,9 @@ from django.db import connection, connections
 from batches import dispatch
 from batches.lifecycle import claim
 from batches.worker.bookkeeper import bookkeeper
-from relay import processes, routing, upstream
-from relay.redis import get_redis
+from core import warmup as warm_up_runner
+from core.redis import get_redis
+from gateway import routing, upstream
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ def warm_up(*, own_connection: bool = True) -> None:
         ("upstream", upstream.warm),
         ("bookkeeper", _warm_bookkeeper),
     )
-    processes.run_warm_up(steps, log, what="worker process", first="item")
+    warm_up_runner.run_warm_up(steps, log, what="worker process", first="item")
 
 
 def _warm_bookkeeper() -> None:
@@ -91,7 +92,7 @@ def _runs_tasks_here(worker) -> bool:
 
 def _warm_parent() -> None:
     """What every pool process would load for itself, loaded once here, before they are forked: they
-    inherit it (the catalog cache of relay.routing.warm; its generation is checked at use, as always).
+    inherit it (the catalog cache of gateway.routing.warm; its generation is checked at use, as always).
     Best effort; the parent's database connections are closed again, none is inherited."""
     try:
         routing.warm()

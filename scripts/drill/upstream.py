@@ -1,4 +1,4 @@
-"""The drill's fake provider: the project's canned OpenAI and Anthropic answers (relay.demo_upstream.canned),
+"""The drill's fake provider: the project's canned OpenAI and Anthropic answers (devkit.upstream.canned),
 each after a delay, each tagged with the address of the host that asked (`"drill": {"peer": …}` in the
 body). The tag is what lets the drill tell, from a stored result, which host's call wrote it: a result
 written by a host whose claim had been taken from it is a late write the fence let through.
@@ -19,7 +19,7 @@ import time
 from collections import defaultdict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from relay.demo_upstream import _prompt_text, canned
+from devkit.upstream import _prompt_text, canned
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The providers' batch APIs behind one registry: the seam a new provider plugs into.
 
-    base.py        BatchAPI (the interface), Target, Status, Result, InputFile, the refusals   (relay.adapters,
-                   relay.upstream)
+    base.py        BatchAPI (the interface), Target, Status, Result, InputFile, the refusals   (gateway.adapters,
+                   gateway.upstream)
     openai.py      OpenAI Files + Batches                                                       (base)
     anthropic.py   Anthropic Message Batches                                                    (base)
     __init__.py    REGISTRY: kind → class; `api()` and `for_adapter()`                          (the above)

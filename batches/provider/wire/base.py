@@ -17,8 +17,8 @@ from typing import ClassVar
 
 import orjson
 
-from relay import adapters, upstream
-from relay.retry_after import parse_retry_after
+from core.retry_after import parse_retry_after
+from gateway import adapters, upstream
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class Target:
     adapter: str
     key_value: str
     # The host key, for the provider account it bills (OpenAI-Organization / OpenAI-Project): a job's headers
-    # are the operator's, as a live call's are (relay.adapters); no caller header reaches a provider job.
+    # are the operator's, as a live call's are (gateway.adapters); no caller header reaches a provider job.
     key: object = None
 
     def url(self, path: str) -> str:
@@ -174,7 +174,7 @@ class _Guarded:
 class BatchAPI(abc.ABC):
     """One provider's batch API, bound to one job and the target (host, key) it is sent with. The job code
     (batches/provider/jobs.py, placement.py) reads the class's limits and calls these methods only; it never
-    asks which provider it talks to. Every call goes through relay.upstream's `exchange` (the one HTTP exit).
+    asks which provider it talks to. Every call goes through gateway.upstream's `exchange` (the one HTTP exit).
 
     A job's steps, in order: `records()` (the input file the job writes its records to), `upload(records)`
     (an input file the provider keeps apart, if it has such; its id is stored on the job and reused by a

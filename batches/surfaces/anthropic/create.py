@@ -31,8 +31,8 @@ from batches.errors import invalid_anthropic as invalid
 from batches.models import Batch, BatchStatus, Shape, Surface
 from batches.provider import jobs, placement
 from batches.surfaces import common
-from relay.auth import Principal
-from relay.errors import clipped
+from core.auth import Principal
+from core.errors import clipped
 
 # Anthropic's rule for a request's custom_id, matched in full (with `$`, "abc\n" passed).
 CUSTOM_ID = re.compile(r"[a-zA-Z0-9_-]{1,64}")
@@ -79,7 +79,7 @@ def create(principal: Principal, submission: ingest.Submission, *, retry_of: Bat
 
             def rows():
                 for idx, element in enumerate(submission.elements()):
-                    # The element was checked by relay.jsonguard when the body was read (batches.ingest).
+                    # The element was checked by core.jsonguard when the body was read (batches.ingest).
                     custom_id, params = _request(idx, json.loads(element), seen)
                     data = ingest.dumps(params)
                     yield idx, writer.add(idx, data), custom_id, planner.place(params, len(data))

@@ -32,8 +32,8 @@ from batches.lifecycle import states, stop
 from batches.models import Batch, ItemState, Surface
 from batches.outcomes import Code
 from batches.surfaces import common
-from relay.auth import Principal
-from relay.errors import clipped, quoted
+from core.auth import Principal
+from core.errors import clipped, quoted
 
 log = logging.getLogger(__name__)
 

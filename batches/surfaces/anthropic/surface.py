@@ -15,7 +15,7 @@ from batches.models import Batch, BatchStatus, Surface
 from batches.surfaces.anthropic import create as anthropic_create
 from batches.surfaces.anthropic import read
 from batches.surfaces.registry import BatchSurface
-from relay.errors import RelayError, is_anthropic_path
+from core.errors import RelayError, is_anthropic_path
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ from batches import storage
 from batches.models import Attempt, Batch, Item, ItemState, Surface
 from batches.outcomes import Code
 from batches.surfaces import common
-from relay.auth import Principal
-from relay.errors import RelayError
+from core.auth import Principal
+from core.errors import RelayError
 
 # A native batch's id as the API hands it out (str(uuid)), matched in full: no braces, urn: prefix,
 # whitespace or trailing newline, which uuid.UUID() would take.

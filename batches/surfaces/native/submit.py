@@ -9,8 +9,8 @@ from django.db import connection, transaction
 
 from batches import bulk, dispatch, ingest, storage
 from batches.models import Batch, Shape
-from relay import auth
-from relay.errors import RelayError, quoted
+from core import auth
+from core.errors import RelayError, quoted
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ def store_native_streaming(
 
 
 def _allow_the_upload() -> None:
-    """The COPY lasts as long as the body takes to arrive, which the edge bounds (relay.edge: a 408
+    """The COPY lasts as long as the body takes to arrive, which the edge bounds (gateway.edge: a 408
     past RELAY_BODY_READ_SECONDS + size / RELAY_BODY_MIN_RATE). This transaction's statements get that
     bound for the largest body on top of RELAY_DB_STATEMENT_TIMEOUT_MS, so a slow but legal upload is
     cut by the edge's 408, never by the database's timeout halfway through."""

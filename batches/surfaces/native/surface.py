@@ -12,7 +12,7 @@ from batches.lifecycle import stop
 from batches.models import Batch, BatchStatus, Surface
 from batches.surfaces.native import read, submit
 from batches.surfaces.registry import BatchSurface
-from relay.errors import RelayError
+from core.errors import RelayError
 
 log = logging.getLogger(__name__)
 

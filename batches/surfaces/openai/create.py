@@ -24,8 +24,8 @@ from batches.models import Batch, BatchStatus, Endpoint, File, FilePurpose, Shap
 from batches.surfaces import common
 from batches.surfaces.openai import read as openai_read
 from batches.surfaces.openai.files import write_file
-from relay.auth import Principal
-from relay.errors import clipped, quoted
+from core.auth import Principal
+from core.errors import clipped, quoted
 
 log = logging.getLogger(__name__)
 

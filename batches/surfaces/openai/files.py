@@ -28,10 +28,10 @@ from django.utils import timezone
 from batches import retention, storage
 from batches.errors import OpenAIError, invalid, missing
 from batches.models import File, FilePurpose
-from relay.auth import Principal
-from relay.errors import clipped, quoted
-from relay.http import ascii_int
-from relay.redis import get_redis
+from core.auth import Principal
+from core.errors import clipped, quoted
+from core.http import ascii_int
+from core.redis import get_redis
 
 log = logging.getLogger(__name__)
 

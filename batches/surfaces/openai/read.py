@@ -11,9 +11,9 @@ from django.utils import timezone
 from batches.errors import invalid, not_found
 from batches.models import Batch, File, FilePurpose, ItemState, Surface
 from batches.surfaces import common
-from relay.auth import Principal
-from relay.dbfunctions import UUIDText
-from relay.errors import clipped, quoted
+from core.auth import Principal
+from core.dbfunctions import UUIDText
+from core.errors import clipped, quoted
 from usage.models import UsageEvent
 
 # Ids are matched in full (fullmatch: `$` would also take a trailing newline, so `…%0A` addressed the batch).

@@ -16,7 +16,7 @@ from batches.models import Batch, BatchStatus, OutputExpiry, Surface
 from batches.surfaces.openai import create as openai_create
 from batches.surfaces.openai import files, read, serialize
 from batches.surfaces.registry import BatchSurface
-from relay.errors import RelayError
+from core.errors import RelayError
 
 log = logging.getLogger(__name__)
 

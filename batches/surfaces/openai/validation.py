@@ -30,8 +30,8 @@ from batches.lifecycle import states, stop
 from batches.models import Batch, BatchStatus, File, Item, ItemState, Surface
 from batches.provider import jobs, placement
 from batches.tools import config as tools_config
-from relay import jsonguard
-from relay.errors import quoted
+from core import jsonguard
+from core.errors import quoted
 from usage.models import UsageEvent
 
 # Report at most this many problems; a file broken on every line says so soon enough.

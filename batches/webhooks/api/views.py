@@ -10,9 +10,9 @@ from batches.api.views import OpenAIBatchAccess, _AnyAccept
 from batches.errors import OpenAIError
 from batches.webhooks import events, selectors, services
 from batches.webhooks.api import serialize
-from relay.api.authentication import RelayCredentialAuthentication
-from relay.errors import RelayError
-from relay.http import parse_json_object, read_body
+from core.authentication import RelayCredentialAuthentication
+from core.errors import RelayError
+from core.http import parse_json_object, read_body
 
 # A webhook request body is a few fields.
 MAX_BODY_BYTES = 64 * 1024

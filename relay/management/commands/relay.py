@@ -5,7 +5,6 @@ relay key create --service-account PROJECT/SA | --user U --project P  [--policy 
 relay key rotate|revoke|disable|enable --id ID | --prefix sk-wr-XXXXXXXX  [--grace 3600]
 relay token mint --user U --project P [--ttl 1h]
 relay token revoke --jti JTI | --token TOKEN | --user U --all
-relay demo   (seed the embedded demo catalog; used by `make run`)
 """
 
 from datetime import UTC, datetime, timedelta
@@ -14,12 +13,12 @@ from django.core.management.base import BaseCommand, CommandError
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
+from core import auth, services
+from core.durations import parse_duration
+from core.errors import RelayError
+from core.models import Project, RelayKey, ServiceAccount, User
 from policies.models import Policy
-from relay import auth, services
 from relay.config_apply import ConfigError, apply_config, load_file
-from relay.durations import parse_duration
-from relay.errors import RelayError
-from relay.models import Project, RelayKey, ServiceAccount, User
 
 
 def duration_seconds(text: str) -> int:
@@ -77,8 +76,6 @@ class Command(BaseCommand):
         revoke.add_argument("--token")
         revoke.add_argument("--user")
         revoke.add_argument("--all", action="store_true", help="with --user: revoke every token of the user")
-
-        sub.add_parser("demo", help="seed the demo catalog and print a demo relay key")
 
     def handle(self, *args, **opts):
         try:
@@ -177,13 +174,6 @@ class Command(BaseCommand):
             self.stdout.write(f"token {auth.revoke_token(opts['token'])} revoked")
         else:
             raise CommandError("give --jti, --token, or --user U --all")
-
-    def _demo(self, opts):
-        from relay.demo import seed_demo
-
-        plaintext = seed_demo()
-        if plaintext:
-            self.stdout.write(plaintext)
 
     @staticmethod
     def _user(name) -> User:

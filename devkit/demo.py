@@ -1,0 +1,60 @@
+"""The embedded mode's demo catalog, pointed at the demo upstream: `python -m devkit.demo` (what `make run` runs)
+applies it and prints the demo relay key.
+
+Everything here is labelled `demo`; it exists so the README's curl examples
+work offline. A real deployment applies its own catalog with `relay apply`.
+"""
+
+import os
+from pathlib import Path
+from urllib.parse import urlsplit
+
+if __name__ == "__main__":  # run as a script: load Django first, as manage.py does
+    import django
+
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "relay.settings")
+    django.setup()
+
+from django.conf import settings  # noqa: E402
+
+from core.models import RelayKey, ServiceAccount
+from core.services import create_relay_key
+from relay.config_apply import apply_config, load_file
+
+DEMO_FILE = Path(settings.BASE_DIR) / "deploy" / "demo-catalog.yaml"
+DEMO_KEY_FILE = "demo-relay-key.txt"
+
+
+def on_upstream(doc: dict, upstream: str) -> dict:
+    """The demo catalog with every host on the demo upstream's origin, keeping the path a kind's endpoint has
+    (Gemini's /v1beta/openai): the fakes answer each kind under its provider's own paths."""
+    for host in doc.get("hosts", []):
+        path = urlsplit(host.get("base_url") or "").path.rstrip("/")
+        host["base_url"] = upstream.rstrip("/") + path
+    return doc
+
+
+def seed_demo() -> str:
+    """Apply the demo catalog; create the demo relay key once. Returns its plaintext."""
+    os.environ.setdefault("RELAY_HOSTKEY_DEMO", "demo-upstream-key")
+    doc = load_file(str(DEMO_FILE))
+    apply_config(on_upstream(doc, os.environ.get("RELAY_DEMO_UPSTREAM_URL", "http://127.0.0.1:8090")))
+    key_path = Path(settings.BASE_DIR) / ".relay-embedded" / DEMO_KEY_FILE
+    sa = ServiceAccount.objects.get(project__name="demo", name="demo-client")
+    if key_path.exists():
+        plaintext = key_path.read_text().strip()
+        from core.crypto import sha256_hex
+
+        if RelayKey.objects.filter(key_hash=sha256_hex(plaintext)).exists():
+            return plaintext
+    _, plaintext = create_relay_key(service_account=sa, name="demo key")
+    key_path.parent.mkdir(parents=True, exist_ok=True)
+    key_path.write_text(plaintext + "\n")
+    key_path.chmod(0o600)
+    return plaintext
+
+
+if __name__ == "__main__":
+    key = seed_demo()
+    if key:
+        print(key)
