@@ -93,7 +93,7 @@ class _BatchChangeList(NamedOwnersChangeList):
 
     def get_results(self, request):
         super().get_results(request)
-        counts = common.item_counts([b.pk for b in self.result_list])
+        counts = common.item_counts(self.result_list)
         for b in self.result_list:
             b.item_counts = counts.get(b.pk, {})
 
@@ -226,7 +226,7 @@ class BatchAdmin(ViewOnlyAdmin):
             return progress_bar(counts, " / ".join(str(n) for n in counts) + " (items removed by retention)")
         by_state = getattr(obj, "item_counts", None)
         if by_state is None:  # the change page: this batch's alone
-            by_state = common.item_counts([obj.pk]).get(obj.pk, {})
+            by_state = common.item_counts([obj]).get(obj.pk, {})
         counts = tuple(by_state.get(s, 0) for s in _BAR_STATES)
         return progress_bar(counts, " / ".join(str(n) for n in counts))
 

@@ -206,6 +206,12 @@ class Batch(models.Model):
         "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="retried_by", db_index=True
     )
 
+    # How many of its items ended in each state ({state: n}), written once, when its last item became final
+    # (lifecycle/stop.complete_if_done): an ended batch's items never change again (a retry is a new batch), so
+    # the admin's lists and the console read an ended batch's counts from its row, and only the few batches still
+    # running from the items. Null while items are pending, and on batches that ended before the column existed.
+    ended_counts = models.JSONField(null=True, blank=True)
+
     # --- Item retention (batches/retention.py, `prune_items`) ---
     # An ended OpenAI batch keeps its object but loses its items (rows and stored bodies) once past
     # RELAY_OPENAI_ITEM_RETENTION_SECONDS: its output and error files hold the results. An ended Anthropic

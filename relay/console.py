@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
+from types import SimpleNamespace
 
 from django.db.models import Count, F, Q, Sum
 from django.utils import timezone
@@ -83,10 +84,12 @@ def in_flight(now: datetime) -> dict:
     shown = list(
         Batch.objects.filter(open_q)
         .order_by("-created_at")
-        .values("id", "surface", "status", "created_at", "in_progress_at", "total_items")[:IN_FLIGHT_SHOWN]
+        .values("id", "surface", "status", "created_at", "in_progress_at", "total_items", "ended_counts")[
+            :IN_FLIGHT_SHOWN
+        ]
     )
     ids = [b["id"] for b in shown]
-    counts = common.item_counts(ids)
+    counts = common.item_counts([SimpleNamespace(pk=b["id"], ended_counts=b["ended_counts"]) for b in shown])
     at_provider = dict(
         ProviderJob.objects.filter(batch_id__in=ids, status__in=OPEN_JOB_STATUSES)
         .values_list("batch_id")

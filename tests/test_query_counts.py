@@ -43,8 +43,9 @@ LIVE_REQUEST_REDIS = 2
 # 14 before the catalog cache; 12 with the attempt row; the claim in one statement (-2),
 # the finish with its attempt row and usage event in one statement (-4: no BEGIN/COMMIT round trips),
 # the relay key's recheck from the catalog cache (-1). The item measured ends its batch: +1 for the webhook
-# endpoints of its owner, looked up before the final move (none here, so the move stays one statement).
-BATCH_ITEM_RUN = 6
+# endpoints of its owner, looked up before the final move (none here, so the move stays one statement); +1 for
+# the ended batch's counts kept on its row (once per batch, so the lists never group its items again).
+BATCH_ITEM_RUN = 7
 # Redis round trips of one batch item: the key pick (which confirms the catalog generation the
 # credential and the policy were checked with) and the success settle. 3 while the item read the
 # generation first.

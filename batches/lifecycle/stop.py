@@ -14,7 +14,7 @@ from django.utils import timezone
 
 from batches import dispatch
 from batches.errors import BatchBusy
-from batches.lifecycle.states import OPEN, OPENAI_STOPPABLE, S, St, lock, move
+from batches.lifecycle.states import OPEN, OPENAI_STOPPABLE, TERMINAL, S, St, lock, move
 from batches.models import PENDING_STATES, Batch, Item, Surface
 from batches.outcomes import Code
 from batches.surfaces import registry
@@ -70,7 +70,29 @@ def complete_if_done(batch_id) -> bool:
         return True
     surface, status = row
     registry.get(surface).all_final(batch_id, status)
+    keep_ended_counts(batch_id)
     return True
+
+
+# The statuses whose batch has every item final: ended, or an OpenAI batch writing its output files.
+_COUNTS_FINAL = (*TERMINAL, S.FINALIZING)
+
+
+def keep_ended_counts(batch_id) -> None:
+    """Its items' counts per state on the batch row, once its last item is final: they never change again (a
+    retry is a new batch), so the lists read them from the row (Batch.ended_counts). One statement, once per
+    batch: a grouped read of the (batch, state) index inside the UPDATE, which a second call (the sweeper's)
+    finds already done."""
+    pk = Batch._meta.pk.get_db_prep_value(batch_id, connection)  # a UUID as this database stores it
+    statuses = ", ".join(["%s"] * len(_COUNTS_FINAL))
+    agg = "json_group_object(state, n)" if connection.vendor == "sqlite" else "jsonb_object_agg(state, n)"
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"UPDATE batches_batch SET ended_counts = (SELECT {agg} FROM (SELECT state, COUNT(*) AS n FROM "
+            "batches_item WHERE batch_id = %s GROUP BY state) AS by_state) "
+            f"WHERE id = %s AND ended_counts IS NULL AND status IN ({statuses})",
+            [pk, pk, *_COUNTS_FINAL],
+        )
 
 
 def native_all_final(batch_id, status: str) -> None:
