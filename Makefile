@@ -1,5 +1,5 @@
 # The two commands of the README. Each does its own set-up.
-.PHONY: run test test-fast test-pooler lint bench bench-quick bench-scale bench-webhooks drill noisy-drill manage flower docs
+.PHONY: run test test-fast test-pooler lint bench bench-single bench-quick bench-scale bench-webhooks drill noisy-drill manage flower docs
 
 run:
 	@bash scripts/run.sh
@@ -18,8 +18,14 @@ test-pooler:
 lint:
 	@.venv/bin/ruff check . && .venv/bin/ruff format --check .
 
+# This tree beside the previous release (bench/BASELINE), every hot-path figure measured alternately, with its
+# target (bench/README.md, "Side by side with the previous release"). BENCH_ONLY=live,batch,… runs the single-tree reports.
 bench:
 	@bash scripts/bench.sh
+
+# The single-tree reports of this checkout, as `make bench` ran them before the side by side.
+bench-single:
+	@BENCH_ONLY=$${BENCH_ONLY:-live,batch,streaming,provider,webhooks,capacity} bash scripts/bench.sh
 
 # The multi-host drill (docs/many-hosts.md): three network namespaces, its own PostgreSQL and Redis, a
 # few minutes; needs root (prints "drill: skipped: <reason>" and exits 0 without).

@@ -1,6 +1,11 @@
 #!/usr/bin/env bash
 # `make bench`: the benchmark suite (bench/README.md). It prints figures; it never asserts timings.
-# Sets up .venv, makes sure PostgreSQL and Redis answer on localhost, then runs
+# Sets up .venv, makes sure PostgreSQL and Redis answer on localhost, then runs by default
+#   bench/sidebyside.py     — every hot-path figure of this tree beside the previous release's (the git ref in
+#                             bench/BASELINE, checked out into .bench/baseline), measured alternately in pairs,
+#                             with the target and whether it is met (relay_bench_sbs_*, Redis dbs 11 and 12;
+#                             ~30 min, BENCH_QUICK=1 ~12 min; its knobs: the docstring of bench/sidebyside.py)
+# and, when named in BENCH_ONLY, the single-tree reports of this checkout:
 #   bench/live_overhead.py  — relay overhead per live request vs a direct call
 #   bench/batch.py          — 50,000-item submit, batch throughput, 50,000-result fetch
 #   bench/streaming.py      — streamed calls: time to first byte and chunk throughput vs direct
@@ -17,7 +22,11 @@
 #   BENCH_QUICK=1 make bench        (= make bench-quick)
 #
 # Knobs (environment; defaults in brackets; BENCH_QUICK=1 changes only the defaults):
-#   BENCH_ONLY                [live,batch,streaming,provider,webhooks,capacity] run some of them only: BENCH_ONLY=batch
+#   BENCH_ONLY                [sidebyside] what to run, of sidebyside,live,batch,streaming,provider,webhooks,capacity:
+#                             BENCH_ONLY=batch; the single-tree suite: BENCH_ONLY=live,batch,streaming,provider,webhooks,capacity
+#   BENCH_TREE                [this checkout] the tree the side by side measures beside the previous release
+#   BENCH_BASELINE            [bench/BASELINE] the previous release's git ref, for one run
+#   BENCH_SBS_PAIRS           [3]     pairs of runs (previous, this) of each side-by-side figure
 #   BENCH_ITEMS               [50000] items of the native submission, the results fetch and the JSONL upload
 #   BENCH_ITEM_BYTES          [650]   size of one request (50,000 x 650 B = a 31 MiB body)
 #   BENCH_THROUGHPUT_ITEMS    [2000]  items of the throughput batch, at BENCH_LATENCY_MS
@@ -76,11 +85,14 @@ bash scripts/venv.sh requirements-dev.txt
 bash scripts/services.sh
 echo "make bench: load before the run: $(uptime)"
 
-only=",${BENCH_ONLY:-live,batch,streaming,provider,webhooks,capacity},"
+only=",${BENCH_ONLY:-sidebyside},"
 start=$SECONDS
 failed=()
 if [[ $only == *,live,* || $only == *,streaming,* ]] && [[ ${BENCH_PEER:-1} != 0 ]]; then
   bash scripts/bench-litellm-venv.sh || echo "make bench: the LiteLLM peer could not be installed; its figures will be skipped"
+fi
+if [[ $only == *,sidebyside,* ]]; then
+  .venv/bin/python -m bench.sidebyside || failed+=(sidebyside)
 fi
 if [[ $only == *,live,* ]]; then
   .venv/bin/python -m bench.live_overhead || failed+=(live_overhead)
