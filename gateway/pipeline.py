@@ -1,7 +1,9 @@
 """The pipeline: the one code path every upstream call takes, live or batch.
 
-resolve route → check grant → inbound rate limit → pick key → upstream tier
-limit → call → breaker bookkeeping → fail over → usage event fields.
+Its stages (gateway.stages, each a public function): resolve the route (the grant, the shape, the
+credential re-checked) → admit (a batch record's spend-budget reservation) → pick a key (inbound limit,
+live-first, breakers, tier limits, provider quotas: one Redis round trip) → call → settle (breakers,
+quotas, price, usage event, budget charge), failing over to the next key between call and settle.
 
 `dispatch()` never writes the usage event itself: a live request records it
 right away, a batch item records it in the same transaction that finishes the
@@ -15,22 +17,28 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from django.utils import timezone
-
 from core import catalog, scrub
 from core.auth import Principal
-from core.crypto import SecretUnavailable, sha256_hex
 from core.errors import RelayError
-from gateway import adapters, admit, answers, routing, upstream
-from policies import breaker, keypool, livefirst, provider_limits, ratelimit
+from gateway import adapters, answers, stages, upstream
+from gateway.stages import MAX_KEY_ATTEMPTS, Candidate, key_candidates
+from policies import breaker, livefirst, provider_limits
 from policies.breaker import Failure
-from usage import budgets
-from usage.pricing import cost_nano_usd, discounted
 from usage.tokens import Tokens, estimate, parse_usage
 
 log = logging.getLogger(__name__)
 
-MAX_KEY_ATTEMPTS = 3
+# Importable from here as before (the pick stage's candidates are gateway.stages').
+__all__ = [
+    "MAX_KEY_ATTEMPTS",
+    "Call",
+    "Candidate",
+    "Outcome",
+    "dispatch",
+    "dispatch_stream",
+    "finish_stream",
+    "key_candidates",
+]
 ERROR_BODY_LIMIT = 8 * 1024
 
 
@@ -52,7 +60,7 @@ class Call:
     # The governing policy when the caller has loaded it already (a batch item checks it first).
     policy: object | None = None
     # Fail over to the next key when one answers 5xx or the connection breaks after the request was sent
-    # (failures the request itself may have caused: `_RETRY_QUIET`). A batch item that retries transient
+    # (failures the request itself may have caused: `stages.RETRY_QUIET`). A batch item that retries transient
     # failures itself turns this off: its retry comes after a backoff, and one bad (or slow) request no
     # longer tries every key of the pool in one go. (401/403/429 and connect failures always fail over.)
     failover_on_server_error: bool = True
@@ -151,15 +159,15 @@ def finish_stream(
         tokens = _estimated(tokens, relayed_output, held.request_body)
     tier, inbound = held.reservations
     try:
-        tier.commit(input_tokens=_input_side(tokens), output_tokens=tokens.output)
-        inbound.commit(input_tokens=_input_side(tokens), output_tokens=tokens.output)
+        tier.commit(input_tokens=stages.input_side(tokens), output_tokens=tokens.output)
+        inbound.commit(input_tokens=stages.input_side(tokens), output_tokens=tokens.output)
         if failure == "network":
             # A read timeout or a reset mid-stream may be the request's doing (a long generation): scored
             # against its principal, as before a first byte (policies.breaker.RULES).
             breaker.record_failure(held.key_hash, Failure.NETWORK, principal=held.principal)
         elif held.quota_held:
             # What the provider reported is what it counts, however the stream ended.
-            used = Tokens(input=_input_side(tokens), output=tokens.output)
+            used = Tokens(input=stages.input_side(tokens), output=tokens.output)
             provider_limits.settle(held.key_hash, {}, held.quota_held, used)
     except Exception:  # Redis gone at the end of a stream: the event is still recorded
         log.exception("request %s: settling the stream's limits failed", event["request_id"])
@@ -179,10 +187,10 @@ def finish_stream(
         output_tokens=tokens.output,
         cache_read_tokens=tokens.cache_read,
         cache_write_tokens=tokens.cache_write,
-        # What the provider reported is billed, however the stream ended; without its count, the estimate.
-        cost_nano_usd=cost_nano_usd(held.pricing, tokens),
         usage_estimated=estimated,
     )
+    # What the provider reported is billed, however the stream ended; without its count, the estimate.
+    event["cost_nano_usd"], event["billed_cost_nano_usd"] = stages.price(held.pricing, tokens)
     return event
 
 
@@ -191,7 +199,7 @@ def _estimated(reported: Tokens, relayed_output: int, body: dict | None) -> Toke
     (Anthropic's message_start has the input side), the prompt estimated from the request where it did not
     (usage.tokens.estimate, the size rule reservations use), and at least the output relayed so far. The
     provider bills a cut stream for the prompt it read and what it generated until it saw the caller leave."""
-    input_side = _input_side(reported)
+    input_side = stages.input_side(reported)
     prompt = reported.input if input_side else estimate(body if isinstance(body, dict) else {}).input
     return Tokens(
         input=prompt,
@@ -207,10 +215,10 @@ def _dispatch_guarded(call: Call, *, streamed: bool) -> Outcome:
     try:
         # A batch record reserves its worst case on its spend budgets before anything else (none left: a
         # BudgetExceeded, 429 budget_exceeded with retry_after), and settles with its billed cost after.
-        ctx["hold"] = admit.reserve_for_batch_call(call)
+        ctx["hold"] = stages.admit(call)
         outcome = _dispatch(call, ctx, started, streamed)
     except RelayError as err:
-        budgets.settle_quietly(ctx["hold"], None, call.request_id)
+        stages.charge((), hold=ctx["hold"], request_id=call.request_id)
         kind = err.code or "relay_error"
         ctx["retry_after"] = getattr(err, "retry_after", None)
         return _finish(
@@ -226,11 +234,9 @@ def _dispatch_guarded(call: Call, *, streamed: bool) -> Outcome:
             event_status=0,
         )
     except BaseException:
-        budgets.settle_quietly(ctx["hold"], None, call.request_id)
+        stages.charge((), hold=ctx["hold"], request_id=call.request_id)
         raise
-    cost = outcome.event.get("cost_nano_usd")
-    billed = None if cost is None else discounted(cost, call.discount_percent)
-    budgets.settle_quietly(ctx["hold"], billed, call.request_id)
+    stages.charge([outcome.event], hold=ctx["hold"], request_id=call.request_id)
     return outcome
 
 
@@ -240,89 +246,51 @@ def _reserve_after_reroute(call: Call, ctx: dict, picks) -> None:
     and its cost would never reach it. Decided again with the current snapshot, before the call; with no room,
     what the pick took is given back and the call is not made."""
     try:
-        ctx["hold"] = admit.reserve_for_batch_call(call)
+        ctx["hold"] = stages.admit(call)
     except BaseException:
-        _unpick(picks)
+        stages.unpick(picks)
         raise
 
 
-def _unpick(picks) -> None:
-    """Give back what the key pick took for a call that will not be made: the first key's tier and breaker
-    probe, the tokens taken from its provider quotas, and the inbound reservation."""
-    try:
-        for cand, tier in picks:  # the first key, decided by the pick already (no round trip for the next)
-            tier.release()
-            provider_limits.settle(cand.key_hash, {}, picks.held, Tokens())
-            breaker.release_probe(cand.key_hash)
-            break
-    finally:
-        picks.inbound.release()
-
-
-# Failures the request itself may have caused that a batch item's retry does not score again
-# (`Call.server_error_benches_key`), and after which it does not fail over (`Call.failover_on_server_error`).
-_RETRY_QUIET = frozenset({Failure.SERVER, Failure.NETWORK})
-
-
 def _score(call: Call, key_hash: str, failure: Failure, retry_after: float | None = None) -> None:
-    """The failure on the key's breaker, as policies.breaker.RULES says, scored to the call's principal."""
-    if failure in _RETRY_QUIET and not call.server_error_benches_key:
-        breaker.release_probe(key_hash)  # the request, not the key, is at stake
-        return
-    breaker.record_failure(key_hash, failure, retry_after, principal=breaker.principal_tag(call.principal))
+    """The failure on the key's breaker, scored to the call's principal (quiet for a retried batch item's
+    5xx or broken connection: `Call.server_error_benches_key`)."""
+    quiet = not call.server_error_benches_key
+    stages.score_failure(key_hash, failure, principal=call.principal, retry_after=retry_after, quiet=quiet)
 
 
 # Catalog writes racing one request: how many times it routes again before it stops checking.
 MAX_REROUTES = 3
 
 
-def _route(call: Call, snap) -> tuple:
-    policy_id = call.policy.id if call.policy is not None else call.principal.policy_id
-    policy = call.policy if call.policy is not None and snap is None else routing.load_policy(policy_id, snap)
-    route = routing.resolve(policy, call.body.get("model"), snap)
-    adapters.check_betas(route.binding, call.inbound_headers)  # before a key is picked: nothing to give back
-    path = _check_shape(call, route)
-    adapters.check_served(route.binding, path)  # the host's kind may serve fewer endpoints (Gemini: no Completions)
-    return policy, route, path
-
-
 def _routed_and_picked(call: Call, ctx: dict):
-    """Route with the catalog snapshot this process holds and take a key, in one Redis round trip:
-    the pick confirms the snapshot's generation (core.catalog). A stale snapshot is replaced and
-    the request routed again; a routing error is confirmed against the counter before it stands."""
+    """Resolve with the catalog snapshot this process holds and pick a key, in one Redis round trip: the
+    pick confirms the snapshot's generation (core.catalog). A stale snapshot is replaced and the request
+    routed again; a routing error is confirmed against the counter before it stands."""
     snap = catalog.held()
     for attempt in range(MAX_REROUTES + 1):
-        _recheck_credential(call, snap)
+        stages.recheck_call(call, snap)
         try:
-            policy, route, path = _route(call, snap)
+            policy, route, path = stages.resolve_call(call, snap)
         except RelayError:
             fresh = catalog.current()
             if fresh is None or fresh is snap:
                 raise
             snap, ctx["rerouted"] = fresh, True
-            _recheck_credential(call, snap)
-            policy, route, path = _route(call, snap)
+            stages.recheck_call(call, snap)
+            policy, route, path = stages.resolve_call(call, snap)
         ctx["route"] = route
         check = snap.gen if snap is not None and attempt < MAX_REROUTES else ""
         try:
-            # Catalog generation, inbound limit, key order, breaker probe, tier limit, the provider's
-            # learned quota, LRU mark: one Redis round trip.
-            candidates = key_candidates(route.keys)
-            if route.keys and not candidates:
-                raise _unreadable_keys(route, call.request_id)
-            picks = keypool.pick(
+            picks = stages.pick(
                 policy,
-                candidates,
-                max_picks=MAX_KEY_ATTEMPTS,
-                catalog_gen=check,
+                route,
                 source=call.source,
                 # Estimated only where a limit or a learned quota meters tokens (policies.keypool).
                 need=lambda: estimate(call.body),
+                catalog_gen=check,
+                request_id=call.request_id,
             )
-        except ratelimit.RateLimited as exc:
-            err = RelayError(429, "rate_limit_exceeded", exc.message, headers={"Retry-After": exc.retry_after})
-            err.retry_after = float(exc.retry_after)
-            raise err from exc
         except catalog.Stale:
             snap, ctx["rerouted"] = catalog.current(), True
             continue
@@ -330,24 +298,11 @@ def _routed_and_picked(call: Call, ctx: dict):
     raise AssertionError("unreachable: the last attempt does not check the generation")
 
 
-def _recheck_credential(call: Call, snap) -> None:
-    if call.reauthenticate is not None and not _same_generation(call.credential_snapshot, snap):
-        # The credential was checked against another catalog: check it again (a revoked key stops here).
-        call.principal, call.credential_snapshot = call.reauthenticate(snap), snap
-
-
-def _same_generation(a, b) -> bool:
-    return a is b or (a is not None and b is not None and a.gen == b.gen)
-
-
 def _dispatch(call: Call, ctx: dict, started: float, streamed: bool = False) -> Outcome:
     route, path, picks = _routed_and_picked(call, ctx)
     if ctx.get("rerouted") and ctx["hold"] is None and call.source == "batch":
         _reserve_after_reroute(call, ctx, picks)
-    send = upstream.open_stream if streamed else upstream.call
-    body = dict(call.body, model=route.binding.upstream_name)
-    body.pop("openrelay", None)  # relay-owned (tool config, …): never sent to a provider (decision 0013)
-    payload = json.dumps(body).encode()
+    payload = stages.payload(route, call.body)
 
     inbound = picks.inbound
     handed_over = False  # a stream holds the inbound reservation until its end (finish_stream)
@@ -359,15 +314,19 @@ def _dispatch(call: Call, ctx: dict, started: float, streamed: bool = False) -> 
     try:
         # Keys whose breaker refuses, whose tier is spent or whose provider quota is spent are skipped.
         for cand, tier in picks:
-            key, key_value = cand.key, cand.value
             tried_any = True
             ctx["attempts"] += 1
-            ctx["host_key"] = key
+            ctx["host_key"] = cand.key
             try:
-                resp = send(
-                    *adapters.upstream_request(route.binding, path, key_value, payload, call.inbound_headers, key=key),
+                resp = stages.call(
+                    route,
+                    path,
+                    cand,
+                    payload,
+                    headers=call.inbound_headers,
                     deadline=call.deadline,
                     cancel=call.cancel,
+                    streamed=streamed,
                 )
             except upstream.UpstreamError as exc:
                 tier.release()
@@ -381,7 +340,7 @@ def _dispatch(call: Call, ctx: dict, started: float, streamed: bool = False) -> 
                 # A connect failure benches the key for everyone; a break after sending (a read timeout, a
                 # reset) scores this principal only, as a 5xx does (policies.breaker.RULES).
                 _score(call, cand.key_hash, failure)
-                if failure in _RETRY_QUIET and not call.failover_on_server_error:
+                if failure in stages.RETRY_QUIET and not call.failover_on_server_error:
                     break  # the caller retries later, with backoff
                 if exc.read_timeout:
                     # The provider was still generating when the read timed out: the request's own length is the
@@ -426,16 +385,9 @@ def _dispatch(call: Call, ctx: dict, started: float, streamed: bool = False) -> 
                 return outcome
             if 200 <= resp.status < 300:
                 tokens = parse_usage(route.adapter, path, answers.json_or_empty(resp.body))
-                used = Tokens(input=_input_side(tokens), output=tokens.output)
                 # Breaker closed, tier and inbound committed, the provider's word learned and the unused
                 # part of the token reservation given back: one Redis round trip.
-                keypool.settle_success(
-                    cand.key_hash,
-                    (tier, inbound),
-                    input_tokens=used.input,
-                    output_tokens=used.output,
-                    quota=provider_limits.settle_args(resp.headers, picks.held, used),
-                )
+                stages.settle_success(cand.key_hash, (tier, inbound), tokens, resp.headers, picks.held)
                 return _finish(
                     call,
                     ctx,
@@ -512,75 +464,6 @@ def _dispatch(call: Call, ctx: dict, started: float, streamed: bool = False) -> 
     raise RelayError(502, "upstream_unavailable", "no upstream answer")
 
 
-def _unreadable_keys(route: routing.Route, request_id: str) -> RelayError:
-    """Every host key of the route has a secret the relay cannot read (an unset environment variable, a
-    changed master key): a configuration fault, named to the operator in the log and to the caller as
-    what it is, not as keys cooling down."""
-    sources = ", ".join(f"{k.name} ({'$' + k.value_env if k.value_env else 'encrypted value'})" for k in route.keys)
-    log.error("request %s: no host key of %s can be read: %s", request_id, route.host.name, sources)
-    return RelayError(
-        503,
-        "no_keys",
-        f"no host key of {route.host.name} can be used: the relay cannot read their secrets "
-        "(an operator must set them; the relay's log names them)",
-    )
-
-
-@dataclass
-class Candidate:
-    key: object  # HostKey
-    value: str
-    key_hash: str  # breakers and LRU state are keyed by the value, so a rotated key starts fresh
-
-
-def key_candidates(keys) -> list[Candidate]:
-    """The pick stage's candidates (policies.keypool) from a route's keys, in order: each with its secret read
-    and remembered by the scrubber. The one place keys become candidates, for live calls, relay-run records
-    and provider batch jobs alike."""
-    out = []
-    for key in keys:
-        try:
-            value = key.get_value()
-        except SecretUnavailable:
-            continue  # a key whose secret cannot be read is skipped, never sent
-        scrub.remember(value)  # a provider echoing it back gets it scrubbed (core.scrub)
-        out.append(Candidate(key, value, sha256_hex(value)[:12]))
-    return out
-
-
-def _check_shape(call: Call, route: routing.Route) -> str:
-    """Return the upstream path, or refuse a request the binding's adapter cannot serve."""
-    adapter = route.adapter
-    if call.required_adapter is not None:
-        if adapter == call.required_adapter:
-            return call.path
-        # The spec's one exception: a Responses item routed to an `openai`
-        # binding on the `openai` host goes to Chat Completions and fails
-        # there with the upstream's own status.
-        if call.required_adapter == "openai_responses" and adapter == "openai" and route.host.name == "openai":
-            return "/v1/chat/completions"
-        raise RelayError(
-            400,
-            "cross_shape_dispatch",
-            f"cross-shape dispatch: {call.required_adapter} item routed to an {adapter} binding "
-            f"({route.model.name}@{route.host.name})",
-        )
-    expected = adapters.PATH_ADAPTER.get(call.path)
-    if expected == adapter:
-        return call.path
-    if call.path == "/v1/responses" and adapter == "openai" and route.host.name == "openai":
-        return call.path  # native Responses endpoint of OpenAI itself
-    raise RelayError(
-        400,
-        "cross_shape_dispatch",
-        f"model {route.model.name} is served by an {adapter} binding and cannot be called on {call.path}",
-    )
-
-
-def _input_side(tokens: Tokens) -> int:
-    return tokens.input + tokens.cache_read + tokens.cache_write
-
-
 def _finish(
     call: Call,
     ctx: dict,
@@ -596,34 +479,30 @@ def _finish(
     tokens: Tokens | None = None,
     error_message: str = "",
 ) -> Outcome:
-    route: routing.Route | None = ctx["route"]
+    route = ctx["route"]
     # No host key leaves (decision 0004): every pool key of the route was decrypted (and remembered) above.
     body, headers = scrub.scrub_bytes(body, load=False), scrub.scrub_headers(headers, load=False)
-    tokens = tokens or Tokens()
-    p = call.principal
     key = ctx["host_key"]
-    event = {
-        "request_id": call.request_id,
-        "source": call.source,
-        "ts": timezone.now(),
-        "status": event_status,
-        "duration_ms": int((time.monotonic() - started) * 1000),
-        "attempts": ctx["attempts"],
-        "error_kind": error_kind,
-        "error_message": scrub.scrub_text(error.message if error else error_message, load=False)[:500],
-        **p.usage_attribution(),
-        "policy": route.policy.name if route else "",
-        "model": route.model.name if route else str(call.body.get("model", ""))[:200],
-        "provider": route.model.provider if route else "",
-        "host": route.host.name if route else "",
-        "host_key_id": key.id if key else None,
-        "batch_id": call.batch_id,
-        "input_tokens": tokens.input,
-        "output_tokens": tokens.output,
-        "cache_read_tokens": tokens.cache_read,
-        "cache_write_tokens": tokens.cache_write,
-        "cost_nano_usd": cost_nano_usd(route.binding.pricing, tokens) if route and error is None else None,
-    }
+    priced = route is not None and error is None
+    cost, billed = (
+        stages.price(route.binding.pricing, tokens or Tokens(), call.discount_percent) if priced else (None, None)
+    )
+    event = stages.usage_event(
+        request_id=call.request_id,
+        attribution={"source": call.source, "batch_id": call.batch_id, **call.principal.usage_attribution()},
+        status=event_status,
+        duration_ms=int((time.monotonic() - started) * 1000),
+        attempts=ctx["attempts"],
+        error_kind=error_kind,
+        error_message=error.message if error else error_message,
+        policy=route.policy.name if route else "",
+        binding=route.binding if route else None,
+        model=str(call.body.get("model", ""))[:200],
+        host_key_id=key.id if key else None,
+        tokens=tokens,
+        cost=cost,
+        billed=billed,
+    )
     return Outcome(
         status=status,
         body=body,

@@ -168,7 +168,7 @@ def test_a_surface_package_does_not_import_another():
 
 def test_the_edge_names_no_surface_route_and_imports_nothing_of_batches():
     """The edge answers on a surface's routes what the surface registered (gateway/edge.py `register_routes`)."""
-    tree = ast.parse((ROOT / "relay" / "edge.py").read_text())
+    tree = ast.parse((ROOT / "gateway" / "edge.py").read_text())
     imports = [
         node.module if isinstance(node, ast.ImportFrom) else alias.name
         for node in ast.walk(tree)

@@ -38,17 +38,14 @@ from batches.provider.lease import move as _set
 from batches.provider.lease import renewer as _renewer
 from batches.provider.lease import take as _take
 from batches.provider.models import OPEN_JOB_STATUSES, JobStatus, ProviderJob
-from core import auth, catalog, scrub
-from core.crypto import SecretUnavailable, sha256_hex
+from core import catalog, scrub
 from core.errors import RelayError
 from core.models import BatchMode, HostBinding, HostKey
-from gateway import pipeline, routing
+from gateway import stages
 from gateway.upstream import UpstreamError
-from policies import breaker, keypool, ratelimit
-from policies import selectors as policy_selectors
+from policies import breaker
 from policies.breaker import Failure
 from usage import budgets, job_budgets
-from usage.tokens import worst_case
 
 log = logging.getLogger(__name__)
 
@@ -185,58 +182,40 @@ def cancel_jobs(batch_id) -> int:
 
 class _Context:
     """`api`: the job's provider batch API (wire.REGISTRY), bound to the job and its target; None with no
-    usable key."""
+    usable key. `key_hash`: the key's breaker name (gateway.stages.Candidate)."""
 
-    def __init__(self, job, batch, binding, route, key, target):
-        self.batch, self.binding, self.route, self.key, self.target = batch, binding, route, key, target
-        self.api = wire.api(job.kind)(target, job) if target is not None else None
+    def __init__(self, job, batch, binding, route, cand):
+        self.batch, self.binding, self.route = batch, binding, route
+        self.key = cand.key if cand is not None else None
+        self.key_hash = cand.key_hash if cand is not None else ""
+        self.target = wire.Target(binding.host.base_url, binding.adapter, cand.value, cand.key) if cand else None
+        self.api = wire.api(job.kind)(self.target, job) if self.target is not None else None
 
 
 def _context(job: ProviderJob, pick: bool = False) -> "_Context | None":
-    """What the job needs to talk to its provider: its batch, binding, route, host key and batch API (`pick`:
-    choose a key by the policy's selection, as the live pipeline does; else the job's own)."""
+    """What the job needs to talk to its provider: its batch, binding, route, host key and batch API. The route
+    and the key come from the pipeline's own stages (gateway.stages): `resolve` under the batch's policy, and
+    with `pick` the key chosen by `pick_one` (the policy's selection and breakers, as for a live call); else
+    the job's own key."""
     batch = Batch.objects.filter(pk=job.batch_id).first()
     binding = HostBinding.objects.select_related("host", "model", "pricing").filter(pk=job.binding_id).first()
     if batch is None or binding is None:
         return None
-    snap = catalog.held()
-    policy = policy_selectors.policy(batch.policy_id, snap) if batch.policy_id else None
     route = None
-    if policy is not None:
+    if batch.policy_id:
         try:
-            route = routing.resolve(policy, binding.model.name, snap)
+            route = stages.resolve(batch.policy_id, binding.model.name, catalog.held())
         except RelayError:
             route = None
     keys = list(route.keys) if route is not None and route.binding.id == binding.id else []
-    # The pipeline's own candidates: every pool key is remembered by the scrubber (one the provider echoes
-    # back is scrubbed), as for a live call.
-    candidates = pipeline.key_candidates(keys)
-    if not pick:
-        key = HostKey.objects.filter(pk=job.host_key_id).first() if job.host_key_id else None
+    # Every pool key is remembered by the scrubber (one the provider echoes back is scrubbed), as for a live call.
+    candidates = stages.key_candidates(keys)
+    if pick:
+        cand = stages.pick_one(route.policy, candidates) if candidates else None
     else:
-        key = _pick(policy, candidates)
-    return _Context(job, batch, binding, route, key, _target(binding, key) if key is not None else None)
-
-
-def _target(binding, key) -> wire.Target | None:
-    try:
-        value = key.get_value()
-    except SecretUnavailable:
-        return None
-    scrub.remember(value)  # a provider echoing it back gets it scrubbed
-    return wire.Target(binding.host.base_url, binding.adapter, value, key)
-
-
-def _pick(policy, candidates: list):
-    """The policy's key selection and breakers over the pipeline's candidates, as for a live call; no inbound
-    limit is spent (a job is one request to the provider's batch quota, not the policy's requests)."""
-    if not candidates:
-        return None
-    no_inbound = ratelimit.plan(f"provider-job:{policy.id}", None, subject="")
-    for cand, tier in keypool.Picks(policy, candidates, 1).start(no_inbound):
-        tier.release()
-        return cand.key
-    return None
+        key = HostKey.objects.filter(pk=job.host_key_id).first() if job.host_key_id else None
+        cand = next(iter(stages.key_candidates([key] if key is not None else [])), None)
+    return _Context(job, batch, binding, route, cand)
 
 
 # --- send ------------------------------------------------------------------------------------------
@@ -254,7 +233,7 @@ def _send(job: ProviderJob) -> None:
     # The submitting credential is checked again for each job (a revoked key stops its batch here).
     principal = batch.submitter()
     try:
-        auth.recheck(principal, catalog.held())
+        stages.recheck_credential(principal, catalog.held())
     except RelayError as exc:
         _fail_records(job, Code.CREDENTIAL_INVALID, f"batch: credential no longer valid: {exc.message}")
         return
@@ -269,10 +248,10 @@ def _send(job: ProviderJob) -> None:
         _wait(job, _backoff(job.create_attempts), "no usable host key (breakers open or secrets unreadable)")
         return
     # A spent budget holds the job before anything is read or sent (the reservation below is the real gate).
-    reserve = job.budget_hold is None and bool(budgets.applicable(principal, batch.policy_id, fresh=True))
-    if reserve:
+    reserve = False
+    if job.budget_hold is None:
         try:
-            budgets.check(principal, batch.policy_id)
+            reserve = stages.admit_job_check(principal, batch.policy_id)
         except budgets.BudgetExceeded as exc:
             _wait_budget(job, exc)
             return
@@ -346,9 +325,8 @@ def _reserve(job: ProviderJob, principal, batch, worst: int) -> bool:
     """The job's records' worst case reserved on the budgets governing its batch and kept on the job, in one
     transaction (a process dying in between leaves neither). Raises BudgetExceeded; False: the job is no
     longer this process's (nothing is reserved then)."""
-    per_record = -(-worst // max(1, job.records))
     with transaction.atomic():
-        held = job_budgets.reserve_for_job(principal, batch.policy_id, worst, per_record, JOB_HOLD_TTL)
+        held = stages.admit_job(principal, batch.policy_id, worst, job.records, JOB_HOLD_TTL)
         if held is None:
             return True
         if not _set(job, JobStatus.PENDING, budget_hold=held):
@@ -367,7 +345,7 @@ def _wait_budget(job: ProviderJob, exc) -> None:
 def _write_records(job: ProviderJob, binding, records: wire.InputFile, discount_percent: int) -> int:
     """The job's records in the shape its API takes: the binding's upstream model name, nothing relay-owned.
     Returns their summed worst case (price × the most tokens each can be billed, less the batch's discount:
-    what a relay-run record reserves, gateway.admit.reserve_for_batch_call; an unpriced model counts 0)."""
+    what a relay-run record reserves, gateway.stages.admit; an unpriced model counts 0)."""
     rows = Item.objects.filter(provider_job_id=job.pk, state=ItemState.DELEGATED).order_by("idx")
     chunk: list = []
     worst = [0]
@@ -376,11 +354,8 @@ def _write_records(job: ProviderJob, binding, records: wire.InputFile, discount_
         for (idx, _), data in zip(chunk, storage.read_many([ref for _, ref in chunk]), strict=True):
             body = json.loads(data)
             # Bounded as the relay-run record would be, on the body as stored (what its call would carry).
-            cost = budgets.worst_case_nanos(binding.pricing, worst_case(body), batch_discount_percent=discount_percent)
-            worst[0] += cost or 0
-            body["model"] = binding.upstream_name
-            body.pop("openrelay", None)
-            records.add(job.custom_id(idx), json.dumps(body).encode())
+            worst[0] += stages.worst_nanos(binding.pricing, body, discount_percent) or 0
+            records.add(job.custom_id(idx), json.dumps(stages.upstream_body(binding, body)).encode())
         chunk.clear()
         if records.on_read is not None:
             records.on_read()  # a long read-out keeps (and checks) the lease
@@ -418,7 +393,7 @@ def _refused(job: ProviderJob, context: _Context, exc: wire.Refused) -> None:
         _capacity(job, frm, exc.retry_after, f"the provider refused the job for capacity ({exc.status})")
         return
     if exc.key:
-        breaker.record_failure(sha256_hex(context.target.key_value)[:12], Failure.AUTH)
+        stages.score_failure(context.key_hash, Failure.AUTH)
         _wait(job, _backoff(job.create_attempts), f"the provider refused the key ({exc.status})", frm=frm)
         return
     if exc.transient:
@@ -434,8 +409,7 @@ def _score_no_answer(context: _Context, batch: Batch, exc: Exception) -> None:
     a connect failure benches the key for everyone, a break after sending scores the batch's submitter."""
     failure = breaker.transport_failure(exc.kind) if isinstance(exc, UpstreamError) else None
     if failure is not None:
-        key_hash = sha256_hex(context.target.key_value)[:12]
-        breaker.record_failure(key_hash, failure, principal=breaker.principal_tag(batch.submitter()))
+        stages.score_failure(context.key_hash, failure, principal=batch.submitter())
 
 
 def _wait(job: ProviderJob, seconds: float, why: str, frm: str | None = None, **fields) -> None:

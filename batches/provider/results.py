@@ -17,9 +17,8 @@ from batches.outcomes import Code
 from batches.provider import placement
 from core import scrub
 from core.models import BatchMode
-from usage import budgets, job_budgets
+from gateway import stages
 from usage.models import UsageEvent
-from usage.pricing import cost_nano_usd, discounted, provider_batch_cost
 from usage.services import event_row, record_events
 from usage.tokens import parse_usage
 
@@ -58,7 +57,7 @@ def _apply(job, context, chunk: list) -> int:
     )
     rows, events = [], {}
     back = context.binding.batch_mode == BatchMode.AUTO and batch.expires_at is not None and batch.expires_at > now
-    base = _event_base(job, context)
+    attribution = context.batch.event_attribution()  # worked out once a chunk, not per record
     scrub.known_values(load=True)  # the catalog's secrets, reloaded once a chunk (each body below: load=False)
     # The chunk's results as one group: one object (s3) or one INSERT (db), stored before the fenced UPDATE
     # that points the items at them (close() raises if they could not be; nothing is committed then).
@@ -72,12 +71,14 @@ def _apply(job, context, chunk: list) -> int:
                 ref = group.add(str(item_id), body)
                 rows.append((item_id, ItemState.COMPLETED, ref, r.status_code, "", "", "", ""))
                 parsed = r.parsed if isinstance(r.parsed, dict) else _json(body)
-                events[item_id] = _event(job, context, base, item_id, r.status_code, parsed, "", "")
+                events[item_id] = _event(job, context, attribution, item_id, r.status_code, parsed, "", "")
             elif r.outcome == "errored":
                 body = scrub.scrub_bytes(r.body, load=False)[:ERROR_BODY_LIMIT].decode("utf-8", errors="replace")
                 error = f"batch item: upstream status {r.status_code}"
                 rows.append((item_id, ItemState.DISCARDED, "", r.status_code, error, body, Code.UPSTREAM_ERROR, ""))
-                events[item_id] = _event(job, context, base, item_id, r.status_code, None, Code.UPSTREAM_ERROR, error)
+                events[item_id] = _event(
+                    job, context, attribution, item_id, r.status_code, None, Code.UPSTREAM_ERROR, error
+                )
             elif r.outcome == "expired" and back:
                 # auto: the provider expired it, the batch's own window is still open: the relay runs it.
                 rows.append((item_id, ItemState.AVAILABLE, "", None, "", "", "", placement.NOTE_EXPIRED))
@@ -89,23 +90,12 @@ def _apply(job, context, chunk: list) -> int:
         changed = _update(job, rows, now)
         written = [events[item_id] for item_id in changed if item_id in events]
         _record_events(written)
-        _charge_budgets(job, written, len(changed))
+        # The chunk's billed cost to its batch's budgets, in one charge (every event of a job shares its batch's
+        # attribution): the `changed` records' share of the job's reservation settled with it (the rest goes
+        # back when the job ends); a job that reserved nothing (no budget applied when sent) is charged as a
+        # live call is.
+        stages.charge(written, job_hold=job.budget_hold, records=len(changed))
     return len(changed)
-
-
-def _charge_budgets(job, events: list[dict], final: int) -> None:
-    """The chunk's billed cost to the spend budgets of its batch (usage/budgets.py), in one charge: every
-    event of a job shares its batch's attribution. A job that reserved before it was sent settles its
-    `final` records' share of the reservation with it (the rest goes back when the job ends); one that
-    reserved nothing (no budget applied when it was sent) is charged as a live call is."""
-    total = 0
-    for event in events:
-        billed = event.get("billed_cost_nano_usd")
-        total += (event.get("cost_nano_usd") if billed is None else billed) or 0
-    if job.budget_hold:
-        job_budgets.settle_job_part(job.budget_hold, final, total)
-    elif total:
-        budgets.charge_event({**events[0], "billed_cost_nano_usd": total})
 
 
 def _update(job, rows: list, now) -> list:
@@ -113,43 +103,29 @@ def _update(job, rows: list, now) -> list:
     return delegated.write_results(job.pk, rows)
 
 
-def _event_base(job, context) -> dict:
-    """The fields every usage event of the job's records shares (worked out once a chunk, not per record)."""
-    binding = context.binding
-    return {
-        **context.batch.event_attribution(),
-        "attempts": 1,
-        "policy": context.route.policy.name if context.route is not None else "",
-        "model": binding.model.name,
-        "provider": binding.model.provider,
-        "host": binding.host.name,
-        "host_key_id": job.host_key_id,
-        "executed_by": "provider",
-    }
-
-
-def _event(job, context, base: dict, item_id, status, parsed: dict | None, error_kind: str, error: str) -> dict:
-    """The usage event of a record the provider ran: at the provider's batch price (what the operator pays);
-    billed at the list price less the batch's discount, as a relay-run record is. `parsed`: its answer body."""
-    binding, batch = context.binding, context.batch
+def _event(job, context, attribution: dict, item_id, status, parsed: dict | None, error_kind: str, error: str) -> dict:
+    """The usage event of a record the provider ran (gateway.stages.usage_event, as a relay-run record's): priced
+    by `stages.price` at the provider's batch price (what the operator pays), billed at the list price less the
+    batch's discount, as a relay-run record is. `parsed`: its answer body."""
+    binding, route = context.binding, context.route
     tokens = parse_usage(binding.adapter, job.endpoint, parsed) if parsed is not None else None
-    event = {
-        **base,
-        "request_id": str(item_id),
-        "ts": timezone.now(),
-        "status": status or 0,
-        "duration_ms": _duration_ms(job),
-        "error_kind": error_kind,
-        "error_message": error[:500],
-    }
-    if tokens is not None:
-        listed = cost_nano_usd(binding.pricing, tokens)
-        event.update(
-            tokens=tokens,
-            cost_nano_usd=provider_batch_cost(binding.pricing, tokens),
-            billed_cost_nano_usd=discounted(listed, batch.discount_percent) if listed is not None else None,
-        )
-    return event
+    cost, billed = stages.price(binding.pricing, tokens, context.batch.discount_percent, executed_by="provider")
+    return stages.usage_event(
+        request_id=str(item_id),
+        attribution=attribution,
+        status=status or 0,
+        duration_ms=_duration_ms(job),
+        attempts=1,
+        error_kind=error_kind,
+        error_message=error,
+        policy=route.policy.name if route is not None else "",
+        binding=binding,
+        host_key_id=job.host_key_id,
+        tokens=tokens,
+        cost=cost,
+        billed=billed,
+        executed_by="provider",
+    )
 
 
 def _record_events(events: list[dict]) -> None:

@@ -24,7 +24,6 @@ from core import auth, catalog, jsonguard
 from core.errors import RelayError
 from gateway import pipeline
 from policies import selectors as policy_selectors
-from usage.pricing import with_batch_price
 from usage.services import event_row
 
 log = logging.getLogger(__name__)
@@ -340,7 +339,9 @@ def _finish(
     if not events:
         events = [event_without_dispatch(batch, item.pk, code, error)]
     else:
-        events = [with_batch_price(dict(event), batch.discount_percent) for event in events]
+        # Priced by the pipeline's settle stage (gateway.stages.price): the cost, and billed less the batch's
+        # discount (Call.discount_percent).
+        events = [dict(event) for event in events]
         last = events[-1]
         if code and not last.get("error_kind"):
             # The item failed after its last invocation answered (a tool failure, say).
