@@ -57,14 +57,6 @@ def discounted(cost_nano_usd: int, percent: int) -> int:
     return cost_nano_usd * (100 - percent) // 100
 
 
-def with_batch_price(event: dict, percent: int) -> dict:
-    """Add billed_cost_nano_usd to a batch item's usage event when its batch has a discount."""
-    cost = event.get("cost_nano_usd")
-    if cost is None or not percent:
-        return event
-    return dict(event, billed_cost_nano_usd=discounted(cost, percent))
-
-
 def provider_batch_cost(pricing: "Pricing | None", tokens: Tokens) -> int | None:
     """What the provider charges for a record run through its batch API: the pricing's batch rates, and
     where one is not set, half the live rate (OpenAI's and Anthropic's batch price; cache rates too)."""
