@@ -27,10 +27,12 @@ DEMO_KEY_FILE = "demo-relay-key.txt"
 
 def on_upstream(doc: dict, upstream: str) -> dict:
     """The demo catalog with every host on the demo upstream's origin, keeping the path a kind's endpoint has
-    (Gemini's /v1beta/openai): the fakes answer each kind under its provider's own paths."""
+    (Gemini's /v1beta/openai): the fakes answer each kind under its provider's own paths. A kind's other URL
+    settings (`*_url`: Vertex's token endpoint and Cloud Storage) move with it."""
     for host in doc.get("hosts", []):
-        path = urlsplit(host.get("base_url") or "").path.rstrip("/")
-        host["base_url"] = upstream.rstrip("/") + path
+        for field in ["base_url", *(name for name in host if name.endswith("_url") and name != "base_url")]:
+            path = urlsplit(host.get(field) or "").path.rstrip("/")
+            host[field] = upstream.rstrip("/") + path
     return doc
 
 

@@ -27,6 +27,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from devkit.batches import ProviderBatches
 from devkit.clouds import Clouds
+from devkit.vertex import Vertex
 
 DEMO_BANNER = "[relay demo upstream: canned reply, not a real model]"
 
@@ -311,6 +312,8 @@ class DemoUpstream(ThreadingHTTPServer):
         self.batches = ProviderBatches(self, canned, KNOWN_PATHS)
         # The clouds' OpenAI-wire endpoints (Azure OpenAI, the Gemini API): devkit.clouds.
         self.clouds = Clouds()
+        # Google Vertex AI: its token endpoint, Cloud Storage and batch jobs, and its live calls: devkit.vertex.
+        self.vertex = Vertex(self)
         self.stopping = threading.Event()
         self._thread = None
 
@@ -335,6 +338,7 @@ class DemoUpstream(ThreadingHTTPServer):
             self.rules.clear()
         self.batches.reset()
         self.clouds.reset()
+        self.vertex.reset()
 
     def answer_when(self, text: str, reply: Reply, times: int | None = None) -> None:
         """Requests whose raw body contains `text` get `reply`: every one, or the next `times` of them."""
@@ -420,6 +424,8 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self):
         if self.server.batches.handles(self.path):
             return self.server.batches.serve(self)
+        if self.server.vertex.handles(self.path):
+            return self.server.vertex.serve(self)
         srv = self.server
         length = int(self.headers.get("Content-Length") or 0)
         raw = self.rfile.read(length) if length else b""
@@ -429,8 +435,11 @@ class _Handler(BaseHTTPRequestHandler):
             body = {}
         key = self.headers.get("x-api-key") or self.headers.get("Authorization", "").removeprefix("Bearer ")
         asked, cloud = self.path, None
-        if srv.clouds.handles(self.path):  # a cloud's path: checked as its provider does, answered as the OpenAI call
-            cloud = srv.clouds.admit(self.path, self.headers, body, raw)
+        gate = (
+            srv.clouds if srv.clouds.handles(self.path) else srv.vertex if srv.vertex.handles_live(self.path) else None
+        )
+        if gate is not None:  # a cloud's path: checked as its provider does, answered as the call it carries
+            cloud = gate.admit(self.path, self.headers, body, raw)
             key, self.path = cloud.key, cloud.path or self.path
         with srv.lock:
             srv.received.append({"path": asked, "headers": dict(self.headers.items()), "body": body, "key": key})
@@ -447,12 +456,21 @@ class _Handler(BaseHTTPRequestHandler):
             with srv.lock:
                 srv.in_flight -= 1
 
-    def do_GET(self):  # only the batch APIs answer GET
+    def do_GET(self):  # only the batch APIs (and Vertex's storage and jobs) answer GET
         if self.server.batches.handles(self.path):
             return self.server.batches.serve(self)
+        if self.server.vertex.handles(self.path):
+            return self.server.vertex.serve(self)
         self.send_error(501, f"Unsupported method ({self.command!r})")
 
     def do_DELETE(self):
+        if self.server.batches.handles(self.path):
+            return self.server.batches.serve(self)
+        if self.server.vertex.handles(self.path):
+            return self.server.vertex.serve(self)
+        self.send_error(501, f"Unsupported method ({self.command!r})")
+
+    def do_PUT(self):  # the S3 stand-in of the fake Bedrock batch inference (devkit.batches.bedrock)
         if self.server.batches.handles(self.path):
             return self.server.batches.serve(self)
         self.send_error(501, f"Unsupported method ({self.command!r})")

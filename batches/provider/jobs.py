@@ -188,7 +188,7 @@ class _Context:
         self.batch, self.binding, self.route = batch, binding, route
         self.key = cand.key if cand is not None else None
         self.key_hash = cand.key_hash if cand is not None else ""
-        self.target = wire.Target(binding.host.base_url, binding.adapter, cand.value, cand.key) if cand else None
+        self.target = wire.Target.of(binding, cand.key, cand.value) if cand else None
         self.api = wire.api(job.kind)(self.target, job) if self.target is not None else None
 
 
@@ -389,6 +389,9 @@ def _started(job: ProviderJob, upstream_id: str) -> None:
 
 def _refused(job: ProviderJob, context: _Context, exc: wire.Refused) -> None:
     frm = job.status
+    if exc.absent:  # the host has no batch API at all (an OpenAI-compatible server's 404/405): the relay runs them
+        _release(job, placement.NOTE_NO_BATCH_API, frm=frm)
+        return
     if exc.capacity:
         _capacity(job, frm, exc.retry_after, f"the provider refused the job for capacity ({exc.status})")
         return

@@ -1,5 +1,5 @@
-"""ProviderJob: one upstream batch job (an OpenAI batch or an Anthropic message batch) carrying some records
-of one relay batch, all on one binding and one host key.
+"""ProviderJob: one upstream batch job (an OpenAI batch, an Anthropic message batch, a Bedrock model invocation
+job…) carrying some records of one relay batch, all on one binding and one host key.
 
 The row is written before any upstream call, so a restart never creates a job twice: the row's id travels in
 the upstream batch's metadata (OpenAI) or in its records' custom_ids (Anthropic), and a job whose create
@@ -26,6 +26,10 @@ class JobStatus(models.TextChoices):
     RELEASED = "released"  # its records run in the relay instead (auto mode)
 
 
+# The batch APIs a job may be sent to: batches.provider.wire.REGISTRY's names (tests/test_provider_batch_apis.py
+# checks the two agree; vertex is listed with the clouds' batch APIs, so that its module needs no migration).
+BATCH_API_KINDS = ["openai", "anthropic", "azure_openai", "bedrock", "vertex", "openai_compatible"]
+
 OPEN_JOB_STATUSES = (JobStatus.PENDING, JobStatus.SUBMITTING, JobStatus.RUNNING, JobStatus.INGESTING)
 
 
@@ -36,7 +40,7 @@ class ProviderJob(models.Model):
     # runs must not change where its results are fetched from.
     binding_id = models.BigIntegerField()
     host_id = models.BigIntegerField()
-    kind = models.CharField(max_length=16)  # the batch API: a name in batches.provider.wire.REGISTRY
+    kind = models.CharField(max_length=32)  # the batch API: a name in batches.provider.wire.REGISTRY
     endpoint = models.CharField(max_length=32)  # the records' path: /v1/chat/completions, /v1/messages, …
     host_key_id = models.BigIntegerField(null=True, blank=True)  # chosen when the job is first sent
     status = models.CharField(max_length=16, choices=JobStatus.choices, default=JobStatus.PENDING)
@@ -81,7 +85,7 @@ class ProviderJob(models.Model):
                 condition=Q(status__in=[s.value for s in JobStatus]), name="provider_job_status_valid"
             ),
             # The registry's names (a new provider widens it in a migration: decision 0018).
-            models.CheckConstraint(condition=Q(kind__in=["openai", "anthropic"]), name="provider_job_kind_valid"),
+            models.CheckConstraint(condition=Q(kind__in=BATCH_API_KINDS), name="provider_job_kind_valid"),
             # One row per upstream batch: a job found again by listing can never be adopted twice.
             models.UniqueConstraint(
                 fields=["host_id", "upstream_id"], condition=~Q(upstream_id=""), name="uniq_provider_job_upstream"

@@ -6,6 +6,7 @@
     azure_openai.py      azure_openai                                                   (base)
     gemini.py            gemini                                                         (base)
     bedrock.py           bedrock                                                        (base)
+    vertex.py            vertex                                                         (base, anthropic)
     __init__.py          REGISTRY: name → kind; `get()`, `of()`                          (the above)
 
 Callers (gateway.adapters, the pipeline through it, `relay apply`, the admin) ask the kind; none compares a kind's
@@ -19,6 +20,7 @@ from core.hostkinds.base import HostKind, Option, env_problem
 from core.hostkinds.bedrock import BedrockKind
 from core.hostkinds.gemini import GeminiKind
 from core.hostkinds.openai import OpenAICompatibleKind, OpenAIKind
+from core.hostkinds.vertex import VertexKind
 
 __all__ = ["NATIVE", "REGISTRY", "HostKind", "Option", "choices", "env_problem", "get", "of"]
 
@@ -31,6 +33,7 @@ REGISTRY: dict[str, HostKind] = {
         AzureOpenAIKind(),
         GeminiKind(),
         BedrockKind(),
+        VertexKind(),
     )
 }
 

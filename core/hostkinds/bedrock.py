@@ -54,6 +54,30 @@ def _session_token_env_problem(value: str) -> str:
     return env_problem(value)  # the same rule as a host key's value_env
 
 
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]\Z")
+_ROLE_ARN = re.compile(r"^arn:aws(-[a-z-]+)?:iam::\d{12}:role/[\w+=,.@/-]{1,512}\Z")
+_PREFIX = re.compile(r"^[A-Za-z0-9!_*'().-]+(/[A-Za-z0-9!_*'().-]+)*\Z")
+
+
+def _bucket_problem(value: str) -> str:
+    return "" if _BUCKET.match(value) else f"'batch_bucket' {value!r} is not an S3 bucket name"
+
+
+def _role_arn_problem(value: str) -> str:
+    if _ROLE_ARN.match(value):
+        return ""
+    return f"'batch_role_arn' {value!r} is not an IAM role ARN (arn:aws:iam::…:role/…)"
+
+
+def _prefix_problem(value: str) -> str:
+    ok = _PREFIX.match(value.strip("/"))
+    return "" if ok else f"'batch_prefix' {value!r}: S3 key segments of letters, digits and -!_*'(). only"
+
+
+def _url_problem(value: str) -> str:
+    return "" if value.startswith(("https://", "http://")) else f"{value!r} is not an http(s) URL"
+
+
 class BedrockKind(HostKind):
     name = "bedrock"
     label = "bedrock (Amazon Bedrock: SigV4, InvokeModel)"
@@ -62,6 +86,9 @@ class BedrockKind(HostKind):
     paths = frozenset({"/v1/messages"})
     stream_wire = "aws-eventstream"
     signs_body = True
+    # Batch inference (model invocation jobs), its input and output in the host's S3 bucket: the batch_* settings
+    # (batches.provider.wire.bedrock). Without a bucket and a service role its batch records run in the relay.
+    batch_api = "bedrock"
     options = (
         Option("access_key_id", "", "the AWS access key id of the host key's secret", _access_key_id_problem),
         Option("region", "", "the AWS region signed for; default: the one in the base URL", _region_problem),
@@ -71,13 +98,32 @@ class BedrockKind(HostKind):
             "the environment variable holding the session token of temporary credentials",
             _session_token_env_problem,
         ),
+        Option("batch_bucket", "", "the S3 bucket batch jobs' input and output go to", _bucket_problem),
+        Option("batch_prefix", "relay", "the key prefix of batch jobs' objects in the bucket", _prefix_problem),
+        Option(
+            "batch_role_arn",
+            "",
+            "the IAM service role Bedrock runs batch jobs as (it reads and writes the bucket)",
+            _role_arn_problem,
+        ),
+        Option("batch_s3_url", "", "the S3 endpoint; default https://s3.<region>.amazonaws.com", _url_problem),
+        Option(
+            "batch_control_url",
+            "",
+            "Bedrock's control plane; default https://bedrock.<region>.amazonaws.com",
+            _url_problem,
+        ),
     )
 
     def options_problem(self, options) -> str:
         problem = super().options_problem(options)
-        if problem or options.get("access_key_id"):
+        if problem:
             return problem
-        return "'access_key_id' is required: the AWS access key id whose secret access key is the host key's value"
+        if not options.get("access_key_id"):
+            return "'access_key_id' is required: the AWS access key id whose secret access key is the host key's value"
+        if bool(options.get("batch_bucket")) != bool(options.get("batch_role_arn")):
+            return "'batch_bucket' and 'batch_role_arn' go together: batch jobs need the bucket and Bedrock's role"
+        return ""
 
     def region(self, host) -> str:
         given = self.option_values(host.options)["region"]

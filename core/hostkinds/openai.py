@@ -3,7 +3,7 @@ as OpenAI's account headers, and OpenAI's Files + Batches API."""
 
 import logging
 
-from core.hostkinds.base import OPENAI_PATHS, RESPONSES_PATHS, HostKind, base_of
+from core.hostkinds.base import OPENAI_PATHS, RESPONSES_PATHS, HostKind, Option, base_of
 
 log = logging.getLogger(__name__)
 
@@ -35,11 +35,23 @@ class OpenAIKind(HostKind):
         return {"Authorization": f"Bearer {key_value}", **account_headers(key)}
 
 
+def _count_problem(value: str) -> str:
+    if value.isascii() and value.isdigit() and 0 < int(value) < 10**12:
+        return ""
+    return f"{value!r} is not a positive whole number"
+
+
 class OpenAICompatibleKind(OpenAIKind):
     """Any server speaking OpenAI's wire at its own base URL (vLLM, Groq, Together, Fireworks…): bearer auth,
-    `/v1/...` under the base URL. Its batch records may go to an OpenAI-style Files + Batches API at the same
-    base URL (a provider that has one); by default they run in the relay."""
+    `/v1/...` under the base URL. A binding in batch_mode provider or auto sends its batch records to an
+    OpenAI-style Files + Batches API at the same base URL; a server without one (404/405 there) gets none:
+    they run in the relay. Its limits per job are the host's settings (OpenAI's when not given)."""
 
     name = "openai_compatible"
     label = "openai_compatible (vLLM, Groq, Together…: OpenAI's wire at your base URL)"
     default_base_url = ""
+    batch_api = "openai_compatible"
+    options = (
+        Option("batch_max_requests", "", "the most requests its Batch API takes in one job", _count_problem),
+        Option("batch_max_bytes", "", "the largest input file (bytes) its Batch API takes", _count_problem),
+    )

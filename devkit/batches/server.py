@@ -7,6 +7,8 @@ import time
 from urllib.parse import parse_qs
 
 from devkit.batches.anthropic import AnthropicBatches
+from devkit.batches.azure import AZURE_PATHS, AZURE_PREFIX, AzureBatches
+from devkit.batches.bedrock import BedrockBatches
 from devkit.batches.common import (
     Answer,
     Job,
@@ -39,12 +41,15 @@ ROUTES = [
     ("POST", r"/v1/messages/batches/(?P<id>[^/]+)/cancel", "anthropic", "cancel"),
     ("DELETE", r"/v1/messages/batches/(?P<id>[^/]+)", "anthropic", "delete"),
 ]
+# Azure OpenAI's Global Batch: OpenAI's operations under the resource's v1 API (devkit.batches.azure).
+ROUTES += [(m, AZURE_PREFIX + p, "azure", op) for m, p, provider, op in ROUTES if provider == "openai"]
 ROUTES = [(m, re.compile(p + "/?"), provider, op) for m, p, provider, op in ROUTES]
-PREFIXES = ("/v1/files", "/v1/batches", "/v1/messages/batches")
+PREFIXES = ("/v1/files", "/v1/batches", "/v1/messages/batches", *AZURE_PATHS)
 
 
-class ProviderBatches(OpenAIBatches, AnthropicBatches):
-    """In-memory OpenAI Files + Batches and Anthropic Message Batches for a DemoUpstream.
+class ProviderBatches(OpenAIBatches, AnthropicBatches, AzureBatches):
+    """In-memory OpenAI Files + Batches, Anthropic Message Batches and Azure OpenAI's Global Batch for a
+    DemoUpstream; Bedrock's batch inference and its S3 in `self.bedrock` (devkit.batches.bedrock).
 
     `canned(path, body)` answers a record no standing answer covers; `known_paths` are the paths the live
     server answers (a record for another gets the live server's 404)."""
@@ -55,6 +60,7 @@ class ProviderBatches(OpenAIBatches, AnthropicBatches):
         self.known_paths = tuple(known_paths)
         self._default_seconds = job_seconds
         self.lock = threading.Lock()
+        self.bedrock = BedrockBatches(self)
         self.reset()
 
     # --- test knobs ---------------------------------------------------------------------------------------
@@ -75,6 +81,14 @@ class ProviderBatches(OpenAIBatches, AnthropicBatches):
             self._polls_fail_until = 0.0
             self._hold: threading.Event | None = None
             self._drop: dict[str, int] = {}
+            self._absent: set[str] = set()
+        self.bedrock.reset()
+
+    def no_batch_api(self, key: str) -> None:
+        """Calls with API key `key` find no batch API at all: 404 on every Files and Batches path, as an
+        OpenAI-compatible server without one (vLLM, llama.cpp) answers."""
+        with self.lock:
+            self._absent.add(key)
 
     def refuse_creates(self, n: int, provider: str | None = None, retry_after: int = 1) -> None:
         """The next `n` batch creates (of `provider`, "openai" or "anthropic", or either) answer 429 with
@@ -157,17 +171,22 @@ class ProviderBatches(OpenAIBatches, AnthropicBatches):
 
     # --- HTTP ----------------------------------------------------------------------------------------------
 
-    @staticmethod
-    def handles(path: str) -> bool:
+    def handles(self, path: str) -> bool:
         path = path.split("?", 1)[0]
-        return any(path == p or path.startswith(p + "/") for p in PREFIXES)
+        return any(path == p or path.startswith(p + "/") for p in PREFIXES) or self.bedrock.handles(path)
 
     def serve(self, handler) -> None:
         """Answer one request of a batch path on `handler` (a BaseHTTPRequestHandler)."""
         method = handler.command
         path, _, query = handler.path.partition("?")
         raw = _read_body(handler)
-        key = handler.headers.get("x-api-key") or handler.headers.get("Authorization", "").removeprefix("Bearer ")
+        if self.bedrock.handles(path):  # Bedrock's control plane or the S3 stand-in: SigV4, not a key header
+            return self._send(handler, self.bedrock.serve(handler, raw), "bedrock")
+        key = (
+            handler.headers.get("x-api-key")
+            or handler.headers.get("api-key")
+            or handler.headers.get("Authorization", "").removeprefix("Bearer ")
+        )
         route = next(
             (
                 (prov, op, m.groupdict())
@@ -181,17 +200,23 @@ class ProviderBatches(OpenAIBatches, AnthropicBatches):
         entry = {"t": self.clock(), "method": method, "path": path, "provider": provider, "op": op, "key": key}
         entry["headers"] = {name.lower(): value for name, value in handler.headers.items()}  # what reached it
         entry.update(job=None, file=None, status=None)
-        error = openai_error if provider == "openai" else anthropic_error
+        error = anthropic_error if provider == "anthropic" else openai_error
         if route is None:
             answer = error(404, f"Invalid URL ({method} {path})", type="invalid_request_error")
+        elif key in self._absent:
+            answer = Answer(404, {"detail": "Not Found"})  # FastAPI's (vLLM's) answer to a path it lacks
         elif not key:
             answer = error(401, "You didn't provide an API key.", type="authentication_error")
         else:
             host = handler.headers.get("Host") or "{}:{}".format(*handler.server.server_address[:2])
             context = {"key": key, "raw": raw, "query": parse_qs(query), "entry": entry, "base_url": f"http://{host}"}
             context["content_type"] = handler.headers.get("Content-Type", "")
+            context["headers"] = entry["headers"]
             try:
-                answer = getattr(self, f"_{provider}_{op}")(context, **ids)
+                if provider == "azure":
+                    answer = self._azure(op, context, ids)
+                else:
+                    answer = getattr(self, f"_{provider}_{op}")(context, **ids)
             except Exception as exc:  # a bug here must show as a 500, never as a hung connection
                 answer = error(500, f"demo upstream: {type(exc).__name__}: {exc}", type="api_error")
         entry["status"] = answer.status

@@ -2,15 +2,19 @@
 
     base.py        BatchAPI (the interface), Target, Status, Result, InputFile, the refusals   (gateway.adapters,
                    gateway.upstream)
-    openai.py      OpenAI Files + Batches                                                       (base)
+    openai.py      OpenAI Files + Batches; the same on an OpenAI-compatible server              (base)
     anthropic.py   Anthropic Message Batches                                                    (base)
-    __init__.py    REGISTRY: kind → class; `api()` and `for_adapter()`                          (the above)
+    azure.py       Azure OpenAI Global Batch (OpenAI's wire under /openai/v1, api-key)          (openai)
+    bedrock.py     Amazon Bedrock batch inference (S3 in and out, SigV4)                        (base)
+    __init__.py    REGISTRY: kind → class; `api()` and `for_host()`                             (the above)
 
-The job code (jobs.py, placement.py, results.py) asks the registry for a job's API and calls its methods; it
-never compares a kind. Adding a provider is one module here and one line in REGISTRY (the checklist:
+A host's kind names its batch API (`core.hostkinds…batch_api`, None: it has none); the job code (jobs.py,
+placement.py, results.py) asks the registry for that API and calls its methods; it never compares a kind.
+Adding a provider is one module here and one line in REGISTRY (the checklist:
 docs/decisions/0018-provider-batch-apis.md). This package imports nothing from `batches`."""
 
 from batches.provider.wire.anthropic import AnthropicBatchAPI
+from batches.provider.wire.azure import AzureBatchAPI
 from batches.provider.wire.base import (
     FIND_WINDOW,
     BatchAPI,
@@ -22,29 +26,39 @@ from batches.provider.wire.base import (
     Status,
     Target,
 )
-from batches.provider.wire.openai import OpenAIBatchAPI
+from batches.provider.wire.bedrock import BedrockBatchAPI
+from batches.provider.wire.openai import OpenAIBatchAPI, OpenAICompatibleBatchAPI
+from batches.provider.wire.vertex import VertexBatchAPI
+from core import hostkinds
 
 __all__ = [
     "FIND_WINDOW",
     "REGISTRY",
     "AnthropicBatchAPI",
+    "AzureBatchAPI",
     "BatchAPI",
+    "BedrockBatchAPI",
     "InputFile",
     "LeaseLost",
     "NotYetKnown",
     "OpenAIBatchAPI",
+    "OpenAICompatibleBatchAPI",
     "Refused",
     "Result",
     "Status",
     "Target",
     "api",
-    "for_adapter",
+    "for_host",
 ]
 
 # Each provider's batch API by its kind (the name a ProviderJob stores; its CHECK constraint lists these).
 REGISTRY: dict[str, type[BatchAPI]] = {
     OpenAIBatchAPI.kind: OpenAIBatchAPI,
     AnthropicBatchAPI.kind: AnthropicBatchAPI,
+    AzureBatchAPI.kind: AzureBatchAPI,
+    BedrockBatchAPI.kind: BedrockBatchAPI,
+    OpenAICompatibleBatchAPI.kind: OpenAICompatibleBatchAPI,
+    VertexBatchAPI.kind: VertexBatchAPI,
 }
 
 
@@ -53,10 +67,10 @@ def api(kind: str) -> type[BatchAPI]:
     return REGISTRY[kind]
 
 
-def for_adapter(adapter: str) -> type[BatchAPI] | None:
-    """The batch API that takes the records of a binding with `adapter`, if a registered one does (a binding
-    adapter no API takes runs its records in the relay)."""
-    for cls in REGISTRY.values():
-        if adapter in cls.adapters:
-            return cls
-    return None
+def for_host(host, adapter: str) -> type[BatchAPI] | None:
+    """The batch API that takes the records of a binding with `adapter` on `host`: the one its host's kind
+    names, if that API takes the adapter's shape. None: the host's kind has no batch API the relay speaks
+    (Gemini's takes only its own request shape), and its batch records run in the relay."""
+    name = hostkinds.of(host, adapter).batch_api
+    cls = REGISTRY.get(name) if name else None
+    return cls if cls is not None and adapter in cls.adapters else None

@@ -11,12 +11,13 @@ import logging
 import tempfile
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import ClassVar
 
 import orjson
 
+from core import hostkinds
 from core.retry_after import parse_retry_after
 from gateway import adapters, upstream
 
@@ -38,16 +39,27 @@ class LeaseLost(Exception):
 
 
 class Refused(Exception):
-    """The provider answered a call with an error status. `capacity`: it has no room now (429): wait and send
-    again. `key`: the key was refused (401/403). `transient`: try again after a pause."""
+    """The provider answered a call with an error status. `capacity`: it has no room now (429, or what its API
+    says means so: Bedrock's 400 ServiceQuotaExceededException): wait and send again. `key`: the key was
+    refused (401/403). `transient`: try again after a pause. `absent`: the host has no batch API at all (an
+    OpenAI-compatible server answering 404/405 on the Files or Batches path): its records run in the relay."""
 
-    def __init__(self, status: int, body: bytes, retry_after: float | None = None):
+    def __init__(
+        self,
+        status: int,
+        body: bytes,
+        retry_after: float | None = None,
+        *,
+        capacity: bool | None = None,
+        absent: bool = False,
+    ):
         super().__init__(f"provider answered {status}")
         self.status, self.body, self.retry_after = status, body[:8192], retry_after
+        self._capacity, self.absent = capacity, absent
 
     @property
     def capacity(self) -> bool:
-        return self.status == 429
+        return self.status == 429 if self._capacity is None else self._capacity
 
     @property
     def key(self) -> bool:
@@ -93,11 +105,27 @@ class Target:
     # The host key, for the provider account it bills (OpenAI-Organization / OpenAI-Project): a job's headers
     # are the operator's, as a live call's are (gateway.adapters); no caller header reaches a provider job.
     key: object = None
+    # The catalog rows the job is sent through: the host's kind signs (api-key, SigV4) and its settings say
+    # where its storage and control plane are; the binding names the upstream model. None: read by the API
+    # from the job's own ids (BatchAPI.host / .binding).
+    host: object = None
+    binding: object = None
+
+    @classmethod
+    def of(cls, binding, key, key_value: str) -> "Target":
+        """The target of a job sent through `binding` with host key `key` (whose secret is `key_value`)."""
+        return cls(binding.host.base_url, binding.adapter, key_value, key, host=binding.host, binding=binding)
 
     def url(self, path: str) -> str:
         return adapters.upstream_url(self.base_url, path)
 
     def headers(self, **extra) -> dict:
+        if self.host is not None and getattr(self.host, "kind", ""):
+            # The host's kind's own credential headers (Azure's api-key), as its live calls carry.
+            kind = hostkinds.of(self.host, self.adapter)
+            auth = {"Content-Type": "application/json", "Accept": "application/json"}
+            auth.update(kind.auth_headers(self.key_value, key=self.key))
+            return {**auth, **extra}
         return {**adapters.upstream_headers(self.adapter, self.key_value, key=self.key), **extra}
 
 
@@ -190,10 +218,50 @@ class BatchAPI(abc.ABC):
     max_bytes: ClassVar[int]  # … and bytes of the input
     window: ClassVar[timedelta] = timedelta(hours=24)  # the completion window a job is created with
     line_overhead: ClassVar[int] = 160  # bytes a record's framing adds to its body, counted toward max_bytes
+    # The fewest records a job may carry (Bedrock refuses a job under 100): a smaller one runs in the relay.
+    min_records: ClassVar[int] = 1
     input_file: ClassVar[type[InputFile]]
 
     def __init__(self, target: Target, job):
         self.target, self.job = target, job
+
+    # --- what placement asks of a host, before any job exists ---
+
+    @classmethod
+    def limits(cls, host) -> tuple[int, int]:
+        """(records, bytes) a job sent to `host` may carry: the provider's, unless the host's settings say
+        less (an OpenAI-compatible server's own limits)."""
+        return cls.max_records, cls.max_bytes
+
+    @classmethod
+    def unready(cls, host) -> str:
+        """Why `host` cannot take batch jobs as it is set up ("" when it can): Bedrock needs a bucket and a
+        service role. Its records then run in the relay, with the reason as their note."""
+        return ""
+
+    # --- the catalog rows the job goes through ---
+
+    @property
+    def host(self):
+        """The job's host (the target's, else read by the job's `host_id`)."""
+        if self.target is not None and self.target.host is not None:
+            return self.target.host
+        if not hasattr(self, "_host"):
+            from core.models import Host
+
+            self._host = Host.objects.get(pk=self.job.host_id)
+        return self._host
+
+    @property
+    def binding(self):
+        """The job's binding (the target's, else read by the job's `binding_id`): its upstream model name."""
+        if self.target is not None and self.target.binding is not None:
+            return self.target.binding
+        if not hasattr(self, "_binding"):
+            from core.models import HostBinding
+
+            self._binding = HostBinding.objects.select_related("host").get(pk=self.job.binding_id)
+        return self._binding
 
     def records(self) -> InputFile:
         return self.input_file(self.job)
@@ -235,13 +303,21 @@ class BatchAPI(abc.ABC):
 
     def _call(self, method: str, path: str, *, data=None, headers=None, stream=False):
         """One call to a path under the target's base URL, with its key's headers; Refused on an error status."""
-        headers = {**self.target.headers(), **(headers or {})}
+        headers = {**self._auth(), **(headers or {})}
         resp = upstream.exchange(method, self.target.url(path), headers=headers, data=data, stream=stream)
         return accepted(resp, stream)
 
     def _stream(self, url: str):
         """An absolute URL the provider gave (Anthropic's results_url), read streamed with the target's key."""
-        return accepted(upstream.exchange("GET", url, headers=self.target.headers(), stream=True), stream=True)
+        return accepted(upstream.exchange("GET", url, headers=self._auth(), stream=True), stream=True)
+
+    def _auth(self) -> dict:
+        """The target's headers, signed as the job's host's kind signs (its host read by id when the target
+        was made without it)."""
+        target = self.target
+        if target.host is None and getattr(self.job, "host_id", None) is not None:
+            target = replace(target, host=self.host)
+        return target.headers()
 
     def _list_find(self, path: str, cursor: str, since, matches, next_after) -> str | None:
         """The id of the first batch on the provider's list (newest first, FIND_PAGES pages of 100 at most) that
@@ -308,14 +384,16 @@ def new_id(resp, missing: str) -> str:
 
 
 def count(value) -> int:
+    if isinstance(value, str) and value.isascii() and value.isdigit():  # int64 in proto3 JSON: a string
+        value = int(value)
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
 
 
-def created(row: dict) -> datetime:
-    value = row.get("created_at")
+def created(row: dict, field: str = "created_at") -> datetime:
+    value = row.get(field)
     if isinstance(value, int | float):  # OpenAI: Unix seconds
         return datetime.fromtimestamp(value, UTC)
-    if isinstance(value, str):  # Anthropic: RFC 3339
+    if isinstance(value, str):  # Anthropic, Azure's older versions, Bedrock: RFC 3339
         try:
             return datetime.fromisoformat(value.replace("Z", "+00:00"))
         except ValueError:
