@@ -1,7 +1,7 @@
 """DEMO / TEST fake of Google Vertex AI, mounted by the demo upstream (devkit.upstream). Not a model.
 
 One loopback port serves what the relay's `vertex` host kind (core.hostkinds.vertex) and its batch API
-(batches.provider.wire.vertex) call, each checked as Google does and refused in Google's error shape:
+(gateway.batch_apis.vertex) call, each checked as Google does and refused in Google's error shape:
 
 - OAuth2 token endpoint, `POST /token` (form `grant_type=urn:ietf:params:oauth:grant-type:jwt-bearer&
   assertion=<JWT>`): the assertion is verified with the public key of the service account it names (its `iss`,

@@ -354,7 +354,7 @@ def test_the_demo_s3_stand_in_serves_a_bedrock_job(catalog, bedrock, fake):
 def test_bedrock_output_lines_map_to_records(row, outcome, status):
     import orjson
 
-    from batches.provider import wire
+    from gateway import batch_apis as wire
 
     result = wire.BedrockBatchAPI.parse_line(orjson.dumps(row))
     assert (result.custom_id, result.outcome, result.status_code) == (row["recordId"], outcome, status)
@@ -368,7 +368,7 @@ def test_bedrock_input_lines_are_invoke_model_bodies():
 
     import orjson
 
-    from batches.provider import wire
+    from gateway import batch_apis as wire
 
     job = SimpleNamespace(pk=uuid4(), endpoint="/v1/messages")
     records = wire.BedrockBatchAPI(None, job).records()
@@ -384,7 +384,7 @@ def test_bedrock_input_lines_are_invoke_model_bodies():
 
 
 def test_azure_reads_capitalised_statuses_and_iso_times():
-    from batches.provider.wire.base import created
+    from gateway.batch_apis.base import created
 
     assert created({"created_at": "2024-07-19T17:13:57.2491382+00:00"}).year == 2024
     assert wire_status("Completed").phase == "ended" and wire_status("In_progress").phase == "running"
@@ -393,7 +393,7 @@ def test_azure_reads_capitalised_statuses_and_iso_times():
 def wire_status(raw: str):
     from types import SimpleNamespace
 
-    from batches.provider import wire
+    from gateway import batch_apis as wire
 
     api = wire.AzureBatchAPI(None, SimpleNamespace(upstream_id="b"))
     api._call = lambda *a, **k: SimpleNamespace(json=lambda: {"status": raw, "request_counts": None})

@@ -1,4 +1,4 @@
-"""The providers' batch APIs behind one registry (batches/provider/wire/): each provider is one BatchAPI class
+"""The providers' batch APIs behind one registry (gateway/batch_apis/): each provider is one BatchAPI class
 (its endpoints, limits, input framing, upload, create, find, poll, results, cancel, result lines), the job code
 asks the registry and never compares a provider's name, and the wire package stays free of the batch engine so
 it can move down to the gateway layer. Pure checks first; the last test drives a real job through an API class
@@ -15,10 +15,10 @@ import orjson
 import pytest
 
 from batches.models import Item
-from batches.provider import wire
 from batches.provider.models import ProviderJob
 from core import hostkinds
 from core.models import Adapter, HostBinding
+from gateway import batch_apis as wire
 from tests.test_provider_batches import chat, drive, openai_batch
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -74,17 +74,17 @@ def test_the_job_code_never_branches_on_a_providers_name():
         assert literals == [], f"{path} names a provider: {literals}"
         # Only the registry package, never one provider's module.
         modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-        assert not {m for m in modules if m.startswith("batches.provider.wire.")}, path
+        assert not {m for m in modules if m.startswith("gateway.batch_apis.")}, path
 
 
 def test_the_wire_package_imports_nothing_of_the_batch_engine():
-    for path in sorted((ROOT / "batches/provider/wire").glob("*.py")):
+    for path in sorted((ROOT / "gateway/batch_apis").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):  # function-level imports count too
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
             if isinstance(node, ast.ImportFrom) and node.module:
                 names = [node.module]
             for name in names:
-                assert not name.startswith("batches") or name.startswith("batches.provider.wire"), (path.name, name)
+                assert not name.startswith("batches") or name.startswith("gateway.batch_apis"), (path.name, name)
 
 
 # --- each API's wire: the input it sends, the result lines it reads --------------------------------------

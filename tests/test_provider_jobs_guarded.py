@@ -12,10 +12,11 @@ import pytest
 from django.utils import timezone
 
 from batches.models import Item
-from batches.provider import jobs, lease, wire
+from batches.provider import jobs, lease
 from batches.provider.models import OPEN_JOB_STATUSES, JobStatus, ProviderJob
 from core.models import HostBinding, HostKey
 from devkit.upstream import Reply
+from gateway import batch_apis as wire
 from tests.test_provider_batches import anthropic_batch, chat, claude, drive, openai_batch, output_lines
 from usage import budgets
 from usage.models import Budget, BudgetHold, BudgetPeriod, UsageEvent

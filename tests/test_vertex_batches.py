@@ -1,4 +1,4 @@
-"""Vertex AI batch prediction for Claude (batches.provider.wire.vertex), driven step by step against the fake
+"""Vertex AI batch prediction for Claude (gateway.batch_apis.vertex), driven step by step against the fake
 Vertex AI of devkit.vertex: the input uploaded to its Cloud Storage, the job created, found again by its label
 after a create whose answer was lost, polled, its predictions read back, cancelled; every call with the service
 account's access token. The fake's clock is moved by hand, so progress is exact."""
@@ -9,12 +9,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from batches.provider import wire
-from batches.provider.wire.vertex import VertexBatchAPI
 from core.hostkinds import vertex as vertex_kind
 from core.models import Host
 from devkit.upstream import Reply
 from devkit.vertex import DEMO_BUCKET, PROJECT_NUMBER
+from gateway import batch_apis as wire
+from gateway.batch_apis.vertex import VertexBatchAPI
 from gateway.upstream import UpstreamError
 
 T = 10.0  # the jobs' seconds under the hand-moved clock

@@ -31,7 +31,7 @@ from batches import dispatch, storage
 from batches.lifecycle import delegated, finish, stop
 from batches.models import Batch, Item, ItemState
 from batches.outcomes import Code
-from batches.provider import placement, results, wire
+from batches.provider import placement, results
 from batches.provider.lease import FIND_AFTER_S, SEND_LEASE_S
 from batches.provider.lease import end as _end
 from batches.provider.lease import move as _set
@@ -41,6 +41,7 @@ from batches.provider.models import OPEN_JOB_STATUSES, JobStatus, ProviderJob
 from core import catalog, scrub
 from core.errors import RelayError
 from core.models import BatchMode, HostBinding, HostKey
+from gateway import batch_apis as wire
 from gateway import stages
 from gateway.upstream import UpstreamError
 from policies import breaker

@@ -10,8 +10,8 @@ import uuid
 from django.db.models import Q
 from django.utils import timezone
 
-from batches.provider import wire
 from batches.provider.models import JobStatus, ProviderJob
+from gateway import batch_apis as wire
 from usage import job_budgets
 
 log = logging.getLogger(__name__)

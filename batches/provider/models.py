@@ -26,7 +26,7 @@ class JobStatus(models.TextChoices):
     RELEASED = "released"  # its records run in the relay instead (auto mode)
 
 
-# The batch APIs a job may be sent to: batches.provider.wire.REGISTRY's names (tests/test_provider_batch_apis.py
+# The batch APIs a job may be sent to: gateway.batch_apis.REGISTRY's names (tests/test_provider_batch_apis.py
 # checks the two agree; vertex is listed with the clouds' batch APIs, so that its module needs no migration).
 BATCH_API_KINDS = ["openai", "anthropic", "azure_openai", "bedrock", "vertex", "openai_compatible"]
 
@@ -40,7 +40,7 @@ class ProviderJob(models.Model):
     # runs must not change where its results are fetched from.
     binding_id = models.BigIntegerField()
     host_id = models.BigIntegerField()
-    kind = models.CharField(max_length=32)  # the batch API: a name in batches.provider.wire.REGISTRY
+    kind = models.CharField(max_length=32)  # the batch API: a name in gateway.batch_apis.REGISTRY
     endpoint = models.CharField(max_length=32)  # the records' path: /v1/chat/completions, /v1/messages, …
     host_key_id = models.BigIntegerField(null=True, blank=True)  # chosen when the job is first sent
     status = models.CharField(max_length=16, choices=JobStatus.choices, default=JobStatus.PENDING)

@@ -27,12 +27,12 @@ from django.db import transaction
 
 from batches import dispatch
 from batches.models import Batch, Item, ItemState, Surface
-from batches.provider import wire
 from batches.provider.models import JobStatus, ProviderJob
 from batches.tools import config as tools_config
 from core import catalog
 from core.errors import RelayError
 from core.models import BatchMode, HostBinding
+from gateway import batch_apis as wire
 from gateway import routing
 from policies import selectors as policy_selectors
 

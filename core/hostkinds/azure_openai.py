@@ -35,7 +35,7 @@ class AzureOpenAIKind(HostKind):
     adapters = frozenset({"openai", "openai_responses"})
     paths = OPENAI_PATHS | RESPONSES_PATHS
     # Global Batch: OpenAI's Files + Batches on Azure's v1 API, on a Global-Batch deployment (the binding's
-    # upstream_name) — batches.provider.wire.azure.
+    # upstream_name) — gateway.batch_apis.azure.
     batch_api = "azure_openai"
     options = (Option("api_version", DEFAULT_API_VERSION, "Azure's api-version, such as 2024-10-21", _version_problem),)
 

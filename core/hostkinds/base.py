@@ -2,7 +2,7 @@
 
 A host kind is how a host is reached: its URL scheme, its auth, the binding adapters (request shapes) and the
 endpoints it serves live, its streaming wire, its own settings, and — where the provider has one — the name of
-its batch API in the provider-batch registry (batches.provider.wire.REGISTRY). Nothing outside this package
+its batch API in the provider-batch registry (gateway.batch_apis.REGISTRY). Nothing outside this package
 compares kind names: callers ask the kind. Imports nothing of the relay: the kinds sit below the catalog models."""
 
 import logging

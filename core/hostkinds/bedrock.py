@@ -87,7 +87,7 @@ class BedrockKind(HostKind):
     stream_wire = "aws-eventstream"
     signs_body = True
     # Batch inference (model invocation jobs), its input and output in the host's S3 bucket: the batch_* settings
-    # (batches.provider.wire.bedrock). Without a bucket and a service role its batch records run in the relay.
+    # (gateway.batch_apis.bedrock). Without a bucket and a service role its batch records run in the relay.
     batch_api = "bedrock"
     options = (
         Option("access_key_id", "", "the AWS access key id of the host key's secret", _access_key_id_problem),

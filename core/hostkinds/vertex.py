@@ -26,7 +26,7 @@ minutes before they expire (google-auth's own margin), one mint at a time per ke
 private key are remembered by the scrubber (core.scrub) before a call carries them, and never logged. Minting
 fails as a connection would (an UpstreamError, `unreachable`): the key is benched, the next key tried.
 
-Batch: `gcs_bucket` (and `gcs_prefix`) name where the provider batch API (batches.provider.wire.vertex) puts a
+Batch: `gcs_bucket` (and `gcs_prefix`) name where the provider batch API (gateway.batch_apis.vertex) puts a
 job's input and finds its output; Claude batches need a regional location."""
 
 import hashlib

@@ -1,4 +1,4 @@
-"""The providers' batch APIs (Files, Batches): `exchange()`, the one HTTP exit of batches/provider/wire/."""
+"""The providers' batch APIs (Files, Batches): `exchange()`, the one HTTP exit of gateway/batch_apis/."""
 
 import requests
 

@@ -18,8 +18,8 @@ import logging
 import time
 from typing import ClassVar
 
-from batches.provider.wire.base import Refused, json_object
-from batches.provider.wire.openai import OpenAIBatchAPI
+from gateway.batch_apis.base import Refused, json_object
+from gateway.batch_apis.openai import OpenAIBatchAPI
 
 log = logging.getLogger(__name__)
 

@@ -33,7 +33,10 @@ from urllib.parse import quote, urlencode
 
 import orjson
 
-from batches.provider.wire.base import (
+from core import hostkinds
+from core.retry_after import parse_retry_after
+from gateway import upstream
+from gateway.batch_apis.base import (
     FIND_PAGES,
     BatchAPI,
     InputFile,
@@ -45,9 +48,6 @@ from batches.provider.wire.base import (
     jsonl,
     result_row,
 )
-from core import hostkinds
-from core.retry_after import parse_retry_after
-from gateway import upstream
 
 log = logging.getLogger(__name__)
 

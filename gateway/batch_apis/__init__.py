@@ -13,9 +13,10 @@ placement.py, results.py) asks the registry for that API and calls its methods; 
 Adding a provider is one module here and one line in REGISTRY (the checklist:
 docs/decisions/0018-provider-batch-apis.md). This package imports nothing from `batches`."""
 
-from batches.provider.wire.anthropic import AnthropicBatchAPI
-from batches.provider.wire.azure import AzureBatchAPI
-from batches.provider.wire.base import (
+from core import hostkinds
+from gateway.batch_apis.anthropic import AnthropicBatchAPI
+from gateway.batch_apis.azure import AzureBatchAPI
+from gateway.batch_apis.base import (
     FIND_WINDOW,
     BatchAPI,
     InputFile,
@@ -26,10 +27,9 @@ from batches.provider.wire.base import (
     Status,
     Target,
 )
-from batches.provider.wire.bedrock import BedrockBatchAPI
-from batches.provider.wire.openai import OpenAIBatchAPI, OpenAICompatibleBatchAPI
-from batches.provider.wire.vertex import VertexBatchAPI
-from core import hostkinds
+from gateway.batch_apis.bedrock import BedrockBatchAPI
+from gateway.batch_apis.openai import OpenAIBatchAPI, OpenAICompatibleBatchAPI
+from gateway.batch_apis.vertex import VertexBatchAPI
 
 __all__ = [
     "FIND_WINDOW",

@@ -15,7 +15,7 @@ from typing import ClassVar
 
 import orjson
 
-from batches.provider.wire.base import (
+from gateway.batch_apis.base import (
     FIND_WINDOW,
     BatchAPI,
     InputFile,

@@ -12,7 +12,7 @@ from typing import ClassVar
 
 import orjson
 
-from batches.provider.wire.base import (
+from gateway.batch_apis.base import (
     BatchAPI,
     InputFile,
     NotYetKnown,
