@@ -11,6 +11,8 @@ class CoreConfig(AppConfig):
 
     def ready(self):
         from core import catalog, generation, scrub
+        from core.hostkinds import base as kinds
 
         generation.on_bump(scrub.catalog_changed)
+        kinds.on_secret(scrub.remember)  # tokens and keys a host kind makes itself are scrubbed too
         catalog.connect_signals()

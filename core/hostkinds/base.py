@@ -16,6 +16,23 @@ RESPONSES_PATHS = frozenset({"/v1/responses"})
 ANTHROPIC_PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
 
 
+# Secrets a kind makes or reads on its own (a minted access token, the lines of a service account's private key):
+# each is handed to every sink before a call carries it. The scrubber registers itself here from the core app's
+# ready(); it sits above the kinds (it reads the catalog's models), so the kinds cannot import it.
+_secret_sinks: list = []
+
+
+def on_secret(sink) -> None:
+    """Register `sink(value)`, called with each secret a kind makes (core.apps: the scrubber's `remember`)."""
+    if sink not in _secret_sinks:
+        _secret_sinks.append(sink)
+
+
+def remember_secret(value: str) -> None:
+    for sink in _secret_sinks:
+        sink(value)
+
+
 @dataclass(frozen=True)
 class Option:
     """A host setting a kind takes (written flat on the host's catalog entry, stored in `Host.options`)."""

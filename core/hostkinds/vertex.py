@@ -37,7 +37,7 @@ import re
 import threading
 from urllib.parse import quote, urlsplit
 
-from core import scrub
+from core.hostkinds import base
 from core.hostkinds.anthropic import BETA_HEADER, parse_betas
 from core.hostkinds.base import ANTHROPIC_PATHS, HostKind, Option, base_of
 from core.upstream_types import UpstreamError
@@ -205,7 +205,7 @@ def access_token(key_value: str, token_url: str = "") -> str:
         if not account.credentials.valid:
             _refresh(account)
         token = account.credentials.token
-    scrub.remember(token)  # a provider (or a log line) echoing it gets it scrubbed
+    base.remember_secret(token)  # a provider (or a log line) echoing it gets it scrubbed
     return token
 
 
@@ -262,7 +262,7 @@ def _remember_private_key(pem: str) -> None:
     and the scrubber's matcher grows with the length of what it knows.)"""
     for line in pem.splitlines():
         if line.strip() and not line.startswith("-----"):
-            scrub.remember(line.strip())
+            base.remember_secret(line.strip())
 
 
 def _refresh(account: _Account) -> None:
@@ -274,7 +274,8 @@ def _refresh(account: _Account) -> None:
         # RFC 6749's error and description (`invalid_grant: Invalid JWT Signature.`): the endpoint's words.
         reason = str(exc.args[0] if exc.args else exc)[:200]
         raise UpstreamError(
-            "unreachable", f"no access token for {account.email}: {scrub.scrub_text(reason, load=False)}"
+            "unreachable",
+            f"no access token for {account.email}: {reason}",  # scrubbed where it leaves (events, logs)
         ) from None
     except exceptions.TransportError as exc:
         raise UpstreamError("unreachable", f"the token endpoint of {account.email} is unreachable: {exc}") from None
