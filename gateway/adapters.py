@@ -43,10 +43,17 @@ def upstream_request(binding, path: str, key_value: str, body: bytes, inbound_he
     """(URL, headers, body) of one live call of relay path `path` through `binding`: its host's kind builds all three
     (the body in the kind's envelope: core.hostkinds.base.HostKind.request)."""
     kind = hostkinds.of(binding.host, binding.adapter)
-    url, body = kind.request(binding.host, binding, path, body)
+    url, body = kind.request(binding.host, binding, path, body, betas=_betas(binding, inbound_headers))
     headers = {**_BASE_HEADERS, **kind.forwarded_headers(inbound_headers, binding)}
     headers.update(kind.call_headers(binding.host, key_value, key=key, body=body, url=url))
     return url, headers, body
+
+
+def _betas(binding, inbound_headers) -> tuple:
+    """The Anthropic betas a call asks for (check_betas has refused any its binding does not allow)."""
+    if binding.adapter != Adapter.ANTHROPIC or not inbound_headers:
+        return ()
+    return tuple(b for name, v in inbound_headers.items() if name.lower() == BETA_HEADER for b in parse_betas(v))
 
 
 def stream_reader(binding, stream):

@@ -8,7 +8,7 @@ import requests
 from django.test import Client
 
 from core.hostkinds.bedrock import sigv4_headers
-from core.models import Host, HostKey
+from core.models import Host, HostBinding, HostKey
 from policies.models import PolicyHostKey
 from relay.config_apply import ConfigError, apply_config
 
@@ -48,14 +48,28 @@ def bedrock(catalog, fake):
     return catalog
 
 
-def post(catalog, body: dict):
+def post(catalog, body: dict, **headers):
     return Client().post(
         "/v1/messages",
         data=json.dumps(body),
         content_type="application/json",
         HTTP_AUTHORIZATION=f"Bearer {catalog.key}",
         HTTP_ANTHROPIC_VERSION="2023-06-01",
+        **headers,
     )
+
+
+def test_an_allowed_beta_goes_in_the_body_as_bedrock_takes_it_and_another_is_refused(bedrock, fake):
+    HostBinding.objects.filter(host__name="bedrock").update(allowed_betas=["token-efficient-tools-2025-02-19"])
+    resp = post(bedrock, message("br-haiku"), HTTP_ANTHROPIC_BETA="token-efficient-tools-2025-02-19")
+    assert resp.status_code == 200, resp.content
+    sent = fake.received[-1]
+    assert sent["body"]["anthropic_beta"] == ["token-efficient-tools-2025-02-19"]
+    assert "anthropic-beta" not in {k.lower() for k in sent["headers"]}  # Bedrock reads the body, not the header
+    before = len(fake.received)
+    refused = post(bedrock, message("br-haiku"), HTTP_ANTHROPIC_BETA="files-api-2025-04-14")
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "beta_not_allowed"
+    assert len(fake.received) == before  # refused before any call
 
 
 def test_a_message_goes_to_invoke_model_signed_and_in_bedrocks_envelope(bedrock, fake):

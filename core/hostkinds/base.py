@@ -77,9 +77,11 @@ class HostKind:
         """The provider URL of relay path `path` (`/v1/chat/completions`) for `binding` on `host`."""
         raise NotImplementedError
 
-    def request(self, host, binding, path: str, body: bytes) -> tuple[str, bytes]:
+    def request(self, host, binding, path: str, body: bytes, betas=()) -> tuple[str, bytes]:
         """The URL and the bytes sent for one call: `url()` and the body as the pipeline made it. A kind whose
-        provider takes the same shape in another envelope (Bedrock: the model in the path, not the body) says so."""
+        provider takes the same shape in another envelope (Bedrock: the model in the path, not the body) says so.
+        `betas`: the call's Anthropic betas (already allowed by its binding); a kind whose provider takes them in the
+        body rather than the `anthropic-beta` header (Bedrock's `anthropic_beta`) puts them there."""
         return self.url(host, binding, path), body
 
     def auth_headers(self, key_value: str, *, key=None, body: bytes = b"", url: str = "") -> dict:

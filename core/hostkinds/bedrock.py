@@ -136,7 +136,7 @@ class BedrockKind(HostKind):
         action = "invoke-with-response-stream" if streamed else "invoke"
         return f"{host.base_url.rstrip('/')}/model/{quote(binding.upstream_name, safe='')}/{action}"
 
-    def request(self, host, binding, path: str, body: bytes) -> tuple[str, bytes]:
+    def request(self, host, binding, path: str, body: bytes, betas=()) -> tuple[str, bytes]:
         try:
             fields = json.loads(body)
         except ValueError:
@@ -147,6 +147,8 @@ class BedrockKind(HostKind):
         for name in _NOT_IN_BODY:
             fields.pop(name, None)
         fields.setdefault("anthropic_version", BEDROCK_ANTHROPIC_VERSION)
+        if betas:  # Bedrock takes Anthropic's betas in the body, not as the anthropic-beta header
+            fields["anthropic_beta"] = list(betas)
         return self.url(host, binding, path, streamed=streamed), json.dumps(fields).encode()
 
     def stream_reader(self, stream):

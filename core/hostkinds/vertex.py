@@ -144,7 +144,7 @@ class VertexKind(HostKind):
         model = quote(binding.upstream_name, safe="@")
         return f"{self.location_url(host)}/publishers/anthropic/models/{model}:{action}"
 
-    def request(self, host, binding, path: str, body: bytes) -> tuple[str, bytes]:
+    def request(self, host, binding, path: str, body: bytes, betas=()) -> tuple[str, bytes]:
         if path not in ANTHROPIC_PATHS:
             return self.url(host, binding, path), body  # OpenAI's shape as it is: the model in the body
         try:
