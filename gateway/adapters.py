@@ -105,9 +105,8 @@ def check_betas(binding, inbound_headers) -> None:
 
     Refused rather than dropped: a beta changes what the provider does (a 1M context window, the Files API, MCP
     connectors), and a call run silently without it answers something other than what the caller asked for."""
-    if binding.adapter != Adapter.ANTHROPIC:
-        return  # no Anthropic provider behind it: the header means nothing there and is not sent
-    asked = [b for name, v in (inbound_headers or {}).items() if name.lower() == BETA_HEADER for b in parse_betas(v)]
+    # No Anthropic provider behind a binding of another adapter: the header means nothing there and is not sent.
+    asked = _betas(binding, inbound_headers)
     if not asked:
         return
     allowed = set(binding.allowed_betas or ())
