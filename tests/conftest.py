@@ -4,6 +4,8 @@ is mocked."""
 
 import os
 import re
+import signal
+import time
 
 if not os.environ.get("DATABASE_URL", "").startswith("postgres"):
     raise RuntimeError("The suite runs against PostgreSQL: use `make test` (it sets DATABASE_URL).")
@@ -140,7 +142,7 @@ SPREAD_MODULES = {"test_batch_real_world", "test_batch_durability"}
 LONG_POLE = "test_a_rate_limited_provider_is_paced_not_failed"
 # Seconds, measured: the tests far longer than their tier's usual (a tier's usual is TIER_SECONDS).
 LONG_TESTS = {
-    LONG_POLE: 40,  # 300 items at 10/s (37-46 s measured on a loaded machine)
+    LONG_POLE: 26,  # 200 items at 10/s
     "test_worker_killed_mid_batch_loses_nothing_and_never_reruns_completed_items": 13,
     "test_redis_flushed_mid_batch_loses_nothing": 10,
     "test_work_resumes_promptly_after_a_postgresql_restart": 10,
@@ -291,30 +293,94 @@ def worker_env():
 
 class _SharedFleet:
     """One fleet for the tests whose `worker` runs with the default environment: a fleet takes seconds of
-    both cores to boot, so it is started once per xdist worker rather than once per module, and kept
-    running from one module that asks for it to the next. It runs only where a module's own fleet ran: from
-    a module's first test that asks for `worker` to the module's end, and never beside a fleet a test starts
-    itself (a fleet left running would claim the items and tasks of in-process tests, and double the slots
-    of tests that count them). Between tests it is what a module's own fleet was between its tests: the
-    database emptied under it, its broker flushed (`_clean_redis`)."""
+    both cores to boot, so it is started once per xdist worker rather than once per module, and kept from
+    one module that asks for it to the next. It runs only where a module's own fleet ran: from a module's
+    first test that asks for `worker` to the module's end. Elsewhere it is frozen (SIGSTOP, `freeze`), never
+    beside a test that needs the database and Redis to itself (a running fleet would claim the items and
+    tasks of in-process tests, and double the slots of tests that count them), and stopped beside a fleet a
+    test starts itself. Between tests it is what a module's own fleet was between its tests: the database
+    emptied under it, its broker flushed (`_clean_redis`)."""
+
+    APP = "relay-tests-shared-fleet"  # its PostgreSQL sessions' application_name (libpq reads PGAPPNAME)
 
     def __init__(self):
         self.fleet = None
         self.module = None  # the module whose test took it last
+        self.frozen_at = None  # PostgreSQL restarts seen when it was frozen (None: running)
 
-    def take(self, db_url: str, module: str):
+    def take(self, db_url: str, module: str, restarts: int):
         from tests.workers import Worker
 
+        if self.frozen_at is not None and self.frozen_at != restarts:
+            self.stop()  # PostgreSQL restarted while it was frozen: a new one rather than reconnects mid-test
+        if self.fleet is not None and self.frozen_at is not None:
+            self._signal(signal.SIGCONT)
+            self.frozen_at = None
         if self.fleet is None or not self.fleet.alive():  # a test that killed it leaves the next one a new one
             self.stop()
-            self.fleet = Worker(db_url, "shared")
+            self.fleet = Worker(db_url, "shared", extra_env={"PGAPPNAME": self.APP})
         self.module = module
         return self.fleet
 
+    def freeze(self, db_url: str, restarts: int) -> None:
+        """SIGSTOP every process of the fleet at a point where it holds nothing another process could want:
+        no PostgreSQL session of its own in a transaction (or a statement), no BRPOP of its own waiting in
+        Redis (the next message pushed would go to a process that cannot run it). A process stopped in the
+        middle of either is let go on a moment and stopped again; a fleet that never settles is stopped."""
+        if self.fleet is None or self.frozen_at is not None:
+            return
+        import psycopg2
+        import redis
+        from django.conf import settings
+
+        broker = redis.Redis.from_url(settings.CELERY_BROKER_URL)
+        db = broker.connection_pool.connection_kwargs.get("db", 0)
+        pg = psycopg2.connect(db_url)
+        pg.autocommit = True
+        try:
+            for _ in range(100):
+                self._signal(signal.SIGSTOP)
+                # Twice, a moment apart: a command sent just before the stop may still be on its way in, and
+                # the second look must find nothing to let go.
+                if self._settled(pg, broker, db) is not None:
+                    time.sleep(0.05)
+                    if self._settled(pg, broker, db) == 0:
+                        self.frozen_at = restarts
+                        self.module = None
+                        return
+                self._signal(signal.SIGCONT)
+                time.sleep(0.05)
+        finally:
+            pg.close()
+            broker.close()
+        self.stop()
+
+    def _settled(self, pg, broker, db: int) -> int | None:
+        """None while a PostgreSQL session of the fleet is in a transaction or a statement; else how many
+        of its commands waited in Redis (BRPOP, BLPOP): each is answered "nothing" at once, as at its
+        timeout, so the process polls again once thawed. Between tests only the fleet blocks in Redis."""
+        with pg.cursor() as cur:
+            sql = "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s AND state <> 'idle'"
+            cur.execute(sql, [self.APP])
+            if cur.fetchone()[0]:
+                return None
+        blocked = [c for c in broker.client_list() if int(c.get("db", -1)) == db and "b" in c.get("flags", "")]
+        for client in blocked:
+            broker.client_unblock(int(client["id"]))
+        return len(blocked)
+
+    def _signal(self, sig: int) -> None:
+        for proc in self.fleet.procs.values():
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
     def stop(self) -> None:
         self.module = None
+        self.frozen_at = None
         if self.fleet is not None:
-            self.fleet.stop()
+            self.fleet.stop()  # SIGCONT first: a frozen process cannot act on SIGTERM
             self.fleet = None
 
 
@@ -323,11 +389,24 @@ _shared_fleet = _SharedFleet()
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
-    """Before a test's fixtures: the shared fleet stops for a test that does not ask for `worker` when the
-    test starts fleets of its own or belongs to a module that has not taken the fleet."""
+    """Before a test's fixtures, for a test that does not ask for `worker`: the shared fleet stops when the
+    test starts fleets of its own, and is frozen for a test of a module that has not taken it (a unit test,
+    which touches neither the database nor Redis, leaves it as it is)."""
     names = item.fixturenames
-    if "worker" not in names and ("workers" in names or _module_name(item) != _shared_fleet.module):
+    if "worker" in names or _shared_fleet.fleet is None:
+        return
+    if "workers" in names:
         _shared_fleet.stop()
+    elif _module_name(item) != _shared_fleet.module and not item.get_closest_marker("unit"):
+        from django.db import connection
+
+        from tests.workers import database_url
+
+        _shared_fleet.freeze(database_url(connection.settings_dict), _restarts_seen(item.config))
+
+
+def _restarts_seen(config) -> int:
+    return getattr(config, "_relay_restarts_seen", 0)
 
 
 @pytest.fixture(scope="session")
@@ -364,7 +443,9 @@ def worker(request, _module_fleet, _shared_fleet_session):
 
     from tests.workers import database_url
 
-    return _shared_fleet_session.take(database_url(connection.settings_dict), _module_name(request.node))
+    return _shared_fleet_session.take(
+        database_url(connection.settings_dict), _module_name(request.node), _restarts_seen(request.config)
+    )
 
 
 @pytest.fixture

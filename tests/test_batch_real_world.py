@@ -91,13 +91,14 @@ def two_keys(catalog):
 def test_a_rate_limited_provider_is_paced_not_failed(worker, catalog, fake):
     """Two keys, 5 requests/s each, 429 beyond that: every record succeeds, almost no 429s.
 
-    300 records are 30 windows of the provider's limit: the pacing is held for 30 s, long past the first
-    window's burst. The long form (any number of records, drain rate against the limit) is the benchmark's
-    rate-limited provider: `BENCH_ONLY=batch BENCH_RL_ITEMS=1000 make bench` (bench/batch_capacity.py)."""
+    200 records are 20 windows of the provider's limit: the pacing is held for 20 s, long past the first
+    window's burst (its few 429s, while the limit is learnt, stay within the bound: 6 of 206 measured).
+    The long form (any number of records, drain rate against the limit) is the benchmark's rate-limited
+    provider: `BENCH_ONLY=batch BENCH_RL_ITEMS=1000 make bench` (bench/batch_capacity.py)."""
     two_keys(catalog)
     fake.limit_rate(5)
     w = worker
-    n = 300
+    n = 200
     batch = openai_batch(catalog, [f"paced {i}" for i in range(n)])
     started = time.monotonic()
     wait_for(lambda: status(batch) in ("completed", "failed", "expired"), 400, interval=1, what="the batch")
