@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 # A candidate for a lost create is made no earlier than this before the job's send began (clocks differ).
 FIND_SLACK = timedelta(seconds=5)
 
-_ERROR_STATUS = {
+ERROR_STATUS = {
     "invalid_request_error": 400,
     "authentication_error": 401,
     "permission_error": 403,
@@ -150,4 +150,4 @@ class AnthropicBatchAPI(BatchAPI):
             return Result(custom_id, kind)
         error = result.get("error") if isinstance(result.get("error"), dict) else {"type": "error", "error": {}}
         inner = error.get("error") if isinstance(error.get("error"), dict) else {}
-        return Result(custom_id, "errored", _ERROR_STATUS.get(inner.get("type"), 500), orjson.dumps(error))
+        return Result(custom_id, "errored", ERROR_STATUS.get(inner.get("type"), 500), orjson.dumps(error))

@@ -7,6 +7,7 @@ Imports nothing from `batches`: a provider's batch wire is the host kind's busin
 down to the gateway layer unchanged (docs/decisions/0018-provider-batch-apis.md)."""
 
 import abc
+import json
 import logging
 import tempfile
 import uuid
@@ -168,6 +169,36 @@ class InputFile(abc.ABC):
 
     def close(self) -> None:
         self.file.close()
+
+
+class CloudClaudeJSONL(InputFile):
+    """A JSONL object of Claude records in a cloud's envelope, one `{<id_field>: …, <body_field>: <body>}` a line:
+    the live call's body without `model` and `stream` (the job names the model; nothing is streamed) and with the
+    cloud's `anthropic_version`. Bedrock's (`recordId`, `modelInput`) and Vertex's (`custom_id`, `request`)."""
+
+    id_field = ""
+    body_field = ""
+    anthropic_version = ""
+    NOT_IN_BODY = ("model", "stream")
+
+    def head(self) -> bytes:
+        return b""
+
+    def line(self, custom_id: str, body: bytes) -> bytes:
+        try:
+            fields = json.loads(body)
+        except ValueError:
+            fields = None
+        if isinstance(fields, dict):
+            for name in self.NOT_IN_BODY:
+                fields.pop(name, None)
+            fields.setdefault("anthropic_version", self.anthropic_version)
+            body = json.dumps(fields).encode()
+        head = json.dumps({self.id_field: custom_id}).encode()[:-1]
+        return head + b", " + json.dumps(self.body_field).encode() + b": " + body + b"}\n"
+
+    def tail(self) -> bytes:
+        return b""
 
 
 class _Guarded:

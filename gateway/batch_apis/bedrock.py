@@ -39,7 +39,7 @@ from gateway import upstream
 from gateway.batch_apis.base import (
     FIND_PAGES,
     BatchAPI,
-    InputFile,
+    CloudClaudeJSONL,
     Refused,
     Result,
     Status,
@@ -52,7 +52,6 @@ from gateway.batch_apis.base import (
 log = logging.getLogger(__name__)
 
 ANTHROPIC_VERSION = "bedrock-2023-05-31"
-_NOT_IN_BODY = ("model", "stream")
 _RUNNING = {"submitted", "validating", "scheduled", "inprogress", "stopping"}
 _ENDED = {"completed", "partiallycompleted", "stopped", "expired"}
 # Ended before every record ran: the records with no result line did not run (Stopped: cancelled).
@@ -62,26 +61,10 @@ _EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 _S3_NS = re.compile(r"^\{[^}]*\}")
 
 
-class BedrockInput(InputFile):
+class BedrockInput(CloudClaudeJSONL):
     """The JSONL object uploaded to S3: one `{"recordId": …, "modelInput": <InvokeModel body>}` per record."""
 
-    def head(self) -> bytes:
-        return b""
-
-    def line(self, custom_id: str, body: bytes) -> bytes:
-        try:
-            fields = json.loads(body)
-        except ValueError:
-            fields = None
-        if isinstance(fields, dict):  # the live call's envelope: the model is the job's, never streamed
-            for name in _NOT_IN_BODY:
-                fields.pop(name, None)
-            fields.setdefault("anthropic_version", ANTHROPIC_VERSION)
-            body = json.dumps(fields).encode()
-        return json.dumps({"recordId": custom_id}).encode()[:-1] + b', "modelInput": ' + body + b"}\n"
-
-    def tail(self) -> bytes:
-        return b""
+    id_field, body_field, anthropic_version = "recordId", "modelInput", ANTHROPIC_VERSION
 
 
 class BedrockBatchAPI(BatchAPI):

@@ -33,10 +33,11 @@ import orjson
 from core import hostkinds
 from core.retry_after import parse_retry_after
 from gateway import upstream
+from gateway.batch_apis.anthropic import ERROR_STATUS as _ERROR_STATUS  # the same error types
 from gateway.batch_apis.base import (
     FIND_PAGES,
     BatchAPI,
-    InputFile,
+    CloudClaudeJSONL,
     Refused,
     Result,
     Status,
@@ -50,7 +51,6 @@ log = logging.getLogger(__name__)
 
 ANTHROPIC_VERSION = "vertex-2023-10-16"
 LABEL = "relay_job"
-_NOT_IN_BODY = ("model", "stream")
 _RUNNING = {
     "JOB_STATE_QUEUED",
     "JOB_STATE_PENDING",
@@ -68,38 +68,12 @@ _UNFINISHED = {
 }
 # google.rpc.Code RESOURCE_EXHAUSTED: a job failed for quota.
 _RESOURCE_EXHAUSTED = 8
-_ERROR_STATUS = {
-    "invalid_request_error": 400,
-    "authentication_error": 401,
-    "permission_error": 403,
-    "not_found_error": 404,
-    "request_too_large": 413,
-    "rate_limit_error": 429,
-    "api_error": 500,
-    "overloaded_error": 529,
-}
 
 
-class VertexInput(InputFile):
+class VertexInput(CloudClaudeJSONL):
     """The JSONL object uploaded to Cloud Storage: one `{"custom_id": …, "request": <rawPredict body>}` a record."""
 
-    def head(self) -> bytes:
-        return b""
-
-    def line(self, custom_id: str, body: bytes) -> bytes:
-        try:
-            fields = json.loads(body)
-        except ValueError:
-            fields = None
-        if isinstance(fields, dict):  # the live call's envelope: the model is the job's, never streamed
-            for name in _NOT_IN_BODY:
-                fields.pop(name, None)
-            fields.setdefault("anthropic_version", ANTHROPIC_VERSION)
-            body = json.dumps(fields).encode()
-        return json.dumps({"custom_id": custom_id}).encode()[:-1] + b', "request": ' + body + b"}\n"
-
-    def tail(self) -> bytes:
-        return b""
+    id_field, body_field, anthropic_version = "custom_id", "request", ANTHROPIC_VERSION
 
 
 class VertexBatchAPI(BatchAPI):
