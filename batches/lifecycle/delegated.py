@@ -67,6 +67,14 @@ def back_to_relay(job_id, note: str) -> int:
     )
 
 
+def not_sent(batch_id, job_ids: list, note: str) -> int:
+    """delegated → available, before any job was saved: the records placed in jobs that will not be opened (too
+    few for their API), with the note saying why."""
+    return Item.objects.filter(batch_id=batch_id, provider_job_id__in=job_ids, state=St.DELEGATED).update(
+        state=St.AVAILABLE, provider_job_id=None, placement=note
+    )
+
+
 def stop_all(job_id, code: str, error: str) -> int:
     """delegated → cancelled (cancel or expiry), as a batch's pending items end."""
     return Item.objects.filter(provider_job_id=job_id, state=St.DELEGATED).update(

@@ -26,7 +26,8 @@ from django.conf import settings
 from django.db import transaction
 
 from batches import dispatch
-from batches.models import Batch, Item, ItemState, Surface
+from batches.lifecycle import delegated
+from batches.models import Batch, ItemState, Surface
 from batches.provider.models import JobStatus, ProviderJob
 from batches.tools import config as tools_config
 from core import catalog
@@ -121,9 +122,7 @@ class Planner:
         small = [job for job in self.jobs if job.records < self.minimum.get(job.id, 1)]
         if small:
             ids = [job.id for job in small]
-            n = Item.objects.filter(batch_id=self.batch.id, provider_job_id__in=ids).update(
-                state=ItemState.AVAILABLE, provider_job_id=None, placement=NOTE_MIN_RECORDS
-            )
+            n = delegated.not_sent(self.batch.id, ids, NOTE_MIN_RECORDS)
             self.delegated -= n
             self.jobs = [job for job in self.jobs if job.id not in set(ids)]
             transaction.on_commit(dispatch.wake_workers)
