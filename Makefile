@@ -1,5 +1,5 @@
 # The two commands of the README. Each does its own set-up.
-.PHONY: run test test-fast test-pooler lint bench bench-single bench-quick bench-scale bench-webhooks drill noisy-drill manage flower docs
+.PHONY: run test test-fast test-pooler lint bench bench-single bench-quick bench-scale bench-webhooks bench-kinds drill noisy-drill manage flower docs
 
 run:
 	@bash scripts/run.sh
@@ -56,6 +56,11 @@ bench-scale:
 # Webhook delivery with 10 of 100 tenants' endpoints never answering (bench/webhooks.py): events/s and p99.
 bench-webhooks:
 	@bash scripts/venv.sh requirements-dev.txt && bash scripts/services.sh && .venv/bin/python -m bench.webhooks
+
+# Per host kind (bench/kinds.py): live overhead against a direct call to the fake in the kind's own wire, and
+# the same batch in provider mode and in relay mode: CPU per record, polls per job per minute, cost. BENCH_QUICK=1: 2,000 records.
+bench-kinds:
+	@bash scripts/venv.sh requirements-dev.txt && bash scripts/services.sh && .venv/bin/python -m bench.kinds
 
 # A million records (bench/scale_million.py): 20 × 50,000 provider-mode records from 5 tenants through the API, PgBouncer and the s3 store, then the size measurements at 2k and at 1M rows (~20 min on 2 cores).
 bench-million:

@@ -113,6 +113,16 @@ def _grow(principals, templates: list, target: int) -> None:
                 """,
                 [principals[hash(b.id) % len(principals)].principal_id, str(b.id), b.id, base],
             )
+        # The grown batches ended with their copies too: their counts on the row are what the relay would have
+        # kept when their last item became final (batches.lifecycle.stop.keep_ended_counts).
+        cur.execute(
+            """
+            UPDATE batches_batch b SET ended_counts = (SELECT jsonb_object_agg(state, n) FROM (SELECT state,
+                COUNT(*) AS n FROM batches_item WHERE batch_id = b.id GROUP BY state) AS by_state)
+            WHERE b.ended_counts IS NOT NULL AND b.id = ANY(%s)
+            """,
+            [[b.id for b in templates]],
+        )
         cur.execute("ANALYZE batches_item")
         cur.execute("ANALYZE usage_usageevent")
         cur.execute("ANALYZE batches_batch")

@@ -66,6 +66,13 @@
 #   BENCH_PROVIDER_RELAY_SAMPLE [2000] records run by the relay's worker (relay mode) for the cost table; 0 skips it
 #   BENCH_REDIS_DB_PROVIDER   [8]     Redis db of the provider benchmark
 #   BENCH_REDIS_DB_CAPACITY   [12]    Redis db of the capacity benchmark (PostgreSQL: relay_bench_capacity)
+#   make bench-kinds (bench/kinds.py, run on its own, not by this script; BENCH_QUICK=1 lowers its defaults too):
+#   BENCH_KINDS_ITEMS         [10000] records of each kind's provider-mode and relay-mode batch (quick: 2000)
+#   BENCH_KINDS_JOB_SECONDS   [60]    how long the fake runs each provider job (quick: 30); the relay polls at its defaults
+#   BENCH_KINDS_LIVE_N        [500]   live rounds (relay, direct) per kind (quick: 200); BENCH_KINDS_LIVE_WARMUP [50] (quick: 30)
+#   BENCH_KINDS               [all]   the kinds, of openai,anthropic,azure_openai,openai_compatible,bedrock,vertex,gemini
+#   BENCH_KINDS_SKIP          []      figures to leave out, of live,provider,relay,warmup
+#   BENCH_REDIS_DB_KINDS      [13]    its Redis db (PostgreSQL: relay_bench_kinds)
 #   BENCH_PG_URL              [postgres://postgres:postgres@127.0.0.1:5432]
 #   BENCH_REDIS_URL           [redis://127.0.0.1:6379]
 #   BENCH_REDIS_DB_LIVE       [9]     Redis dbs of the two benchmarks; a db holding someone else's keys
