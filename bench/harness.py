@@ -23,6 +23,10 @@ from pathlib import Path
 
 from bench.measure import children_of, cpu_seconds
 
+# The benchmarks that run the relay in process (scale, webhooks, scale_drain) load Django with its settings;
+# relay.processes set this on import before its import here was deferred.
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "relay.settings")
+
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 
