@@ -33,6 +33,24 @@ def remember_secret(value: str) -> None:
         sink(value)
 
 
+# How a kind reaches a URL of its own that is not the provider's API (Vertex's OAuth2 token endpoint): through the
+# relay's one HTTP choke point, which the gateway registers from its ready() (it sits above the kinds).
+_transport = None
+
+
+def use_transport(post) -> None:
+    """Register `post(url, headers, body, timeout) -> UpstreamResponse` (gateway.apps: gateway.upstream.call)."""
+    global _transport
+    _transport = post
+
+
+def post(url: str, headers: dict, body: bytes, timeout: float):
+    """POST through the registered choke point; UpstreamError on no answer."""
+    if _transport is None:
+        raise RuntimeError("no HTTP transport registered for the host kinds (the gateway app is not loaded)")
+    return _transport(url, headers, body, timeout)
+
+
 @dataclass(frozen=True)
 class Option:
     """A host setting a kind takes (written flat on the host's catalog entry, stored in `Host.options`)."""

@@ -50,8 +50,8 @@ GOOGLE_API_ROOT = "https://aiplatform.googleapis.com"
 DEFAULT_REGION = "us-east5"  # a region serving Claude, online and in batch
 DEFAULT_STORAGE_URL = "https://storage.googleapis.com"
 OPENAPI_PATHS = frozenset({"/v1/chat/completions", "/v1/embeddings"})
-# The token endpoint's answer within this long (connect, read) seconds; google-auth retries a 5xx itself.
-TOKEN_TIMEOUT = (5.0, 15.0)
+# The token endpoint's whole answer within this many seconds; google-auth retries a 5xx itself.
+TOKEN_TIMEOUT = 15.0
 _MAX_CACHED = 256
 
 _PROJECT = re.compile(r"^[a-z][a-z0-9-]{4,28}[a-z0-9]\Z")
@@ -283,46 +283,27 @@ def _refresh(account: _Account) -> None:
 
 
 # --- the token endpoint's transport -----------------------------------------------------------------------------
-# google-auth posts the signed assertion through a callable it is handed. The relay's choke point
-# (gateway.upstream) sits above the host kinds, so the mint has its own session here: no proxies from the
-# environment, no redirects, explicit timeouts. It carries only the assertion, a one-hour JWT for Google's
-# token audience.
-
-_session = None
-_session_pid: int | None = None
-_session_lock = threading.Lock()
-
-
-def _token_session():
-    global _session, _session_pid
-    import requests
-
-    with _session_lock:
-        if _session is None or _session_pid != os.getpid():
-            _session = requests.Session()
-            _session.trust_env = False
-            _session_pid = os.getpid()
-        return _session
+# google-auth posts the signed assertion through a callable it is handed: here, the relay's one HTTP choke point
+# (gateway.upstream, lent to the kinds through base.post), with its timeouts and keep-alive pool.
 
 
 class _TokenResponse:
     def __init__(self, resp):
-        self.status = resp.status_code
+        self.status = resp.status
         self.headers = resp.headers
-        self.data = resp.content
+        self.data = resp.body
 
 
 class _TokenRequest:
-    """google.auth.transport.Request over the session above."""
+    """google.auth.transport.Request over the relay's choke point (POST only: the JWT-bearer exchange)."""
 
-    def __call__(self, url, method="GET", body=None, headers=None, timeout=None, **kwargs):
-        import requests
+    def __call__(self, url, method="POST", body=None, headers=None, timeout=None, **kwargs):
         from google.auth import exceptions
 
+        if isinstance(body, str):
+            body = body.encode()
         try:
-            resp = _token_session().request(
-                method, url, data=body, headers=headers, timeout=TOKEN_TIMEOUT, allow_redirects=False
-            )
-        except requests.RequestException as exc:
-            raise exceptions.TransportError(f"{type(exc).__name__} reaching {urlsplit(url).netloc}") from None
+            resp = base.post(url, dict(headers or {}), body or b"", TOKEN_TIMEOUT)
+        except UpstreamError as exc:
+            raise exceptions.TransportError(f"{exc.kind} reaching {urlsplit(url).netloc}") from None
         return _TokenResponse(resp)
