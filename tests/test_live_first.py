@@ -5,6 +5,7 @@ The key pick against a real Redis (each limit a batch and live traffic share: a 
 provider's learned quota, the policy's rate limit), then live requests and batch calls through the
 pipeline at once against a fake provider that allows N requests per window."""
 
+import math
 import threading
 import time
 import uuid
@@ -115,10 +116,17 @@ def test_a_batch_leaves_what_busy_live_traffic_will_need_for_the_rest_of_the_win
     """The provider's window: 100 requests a minute. Live traffic comes at 40 a minute, more than the
     20 its share keeps: the batch takes the 60 live leaves, and live then finds its 40."""
     policy, cands = one_key
+    started = time.monotonic()
     learned(limit=100)
     live_now("h0", per_minute=40)
-    assert takes(policy, cands, "batch", most=100) == 60
-    assert takes(policy, cands, "live", most=100) == 40
+    took = takes(policy, cands, "batch", most=100)
+    found = takes(policy, cands, "live", most=100)
+    # Exact on a quiet machine (60 and 40). Time moves both figures: the provider's window refills at 100 a
+    # minute and what live needs for the rest of it shrinks at 40 a minute, so a slow machine may see a few more
+    # for the batch, never more than that time allows.
+    slack = math.ceil((time.monotonic() - started) * (100 + 40) / 60)
+    assert 60 <= took <= 60 + slack
+    assert 40 - slack <= found and took + found <= 100 + slack
 
 
 @pytest.mark.django_db
