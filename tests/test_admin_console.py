@@ -356,7 +356,8 @@ def test_list_filters_name_the_products(admin_client):
     for label in ("OpenAI Chat Completions", "OpenAI Responses", "Anthropic"):
         assert f">{label}</a>" in batches
     jobs = admin_client.get("/admin/batches/providerjob/").content.decode()
-    assert ">OpenAI</a>" in jobs and ">Anthropic</a>" in jobs
+    for label in ("OpenAI", "Anthropic", "Azure OpenAI Global Batch", "Amazon Bedrock batch inference"):
+        assert f">{label}</a>" in jobs  # every registered batch API, by its product's name
     assert "Openai" not in batches + jobs
     for link in ("/admin/batches/batch/?inbound_shape=openai_responses", "/admin/batches/providerjob/?kind=anthropic"):
         resp = admin_client.get(link)

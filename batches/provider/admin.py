@@ -7,19 +7,21 @@ from django.urls import reverse
 from django.utils.html import format_html, format_html_join
 
 from batches.provider.models import ProviderJob
-from core.admin_base import SURFACE_NAMES, ChoicesFilter, ViewOnlyAdmin, short_id
+from core.admin_base import ChoicesFilter, ViewOnlyAdmin, short_id
 from core.models import HostKey
+from gateway import batch_apis
 
 
 class KindFilter(ChoicesFilter):
-    """The batch API by its product's name (OpenAI, Anthropic), not the stored value."""
+    """The batch API by its product's name (OpenAI, Azure OpenAI Global Batch, …), not the stored value: every
+    registered one (gateway.batch_apis.REGISTRY)."""
 
     title = "batch API"
     parameter_name = "kind"
     field = "kind"
 
     def options(self):
-        return [(k, SURFACE_NAMES[k]) for k in ("openai", "anthropic")]
+        return [(kind, api.label) for kind, api in batch_apis.REGISTRY.items()]
 
 
 FIELDS = (
@@ -68,7 +70,8 @@ class _JobDisplay:
 
     @admin.display(description="batch API", ordering="kind")
     def kind_name(self, obj):
-        return SURFACE_NAMES.get(obj.kind, obj.kind)
+        api = batch_apis.REGISTRY.get(obj.kind)
+        return api.label if api is not None else obj.kind
 
     @admin.display(description="elsewhere")
     def related(self, obj):
