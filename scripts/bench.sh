@@ -91,6 +91,14 @@ fi
 bash scripts/venv.sh requirements-dev.txt
 bash scripts/services.sh
 echo "make bench: load before the run: $(uptime)"
+# The side by side keeps both trees' stacks up for the whole run: about 100 PostgreSQL connections at its
+# peak (scale-out), PostgreSQL's default limit. Said before a run that would fail for it half way.
+pg_max=$(PGPASSWORD=postgres psql -h 127.0.0.1 -U postgres -Atc 'SHOW max_connections' 2>/dev/null || echo "")
+if [[ -n $pg_max && $pg_max -lt 150 && ",${BENCH_ONLY:-sidebyside}," == *,sidebyside,* ]]; then
+  echo "make bench: warning: PostgreSQL's max_connections is $pg_max; the side by side holds about 100 connections" \
+    "(both trees' stacks). Raise it (ALTER SYSTEM SET max_connections = 200, then restart PostgreSQL)," \
+    "or run one tree: make bench-single" >&2
+fi
 
 only=",${BENCH_ONLY:-sidebyside},"
 start=$SECONDS
