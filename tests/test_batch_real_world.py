@@ -12,10 +12,7 @@ Throughput is printed for the record, never asserted (benchmarks measure it).
 
 import io
 import json
-import os
-import shutil
 import signal
-import subprocess
 import threading
 import time
 from collections import Counter
@@ -34,7 +31,7 @@ from batches.surfaces.openai import create as openai_create
 from core import auth
 from devkit.upstream import Reply
 from policies.models import PolicyHostKey
-from tests.workers import broker_idle, wait_for
+from tests.workers import broker_idle, pg_cluster, restart_postgresql, wait_for
 from usage.models import UsageEvent
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -214,14 +211,7 @@ def test_a_worker_frozen_inside_its_finishing_transaction_stalls_nothing(workers
     assert_billed_once(batch)
 
 
-def _pg_cluster() -> tuple[str, str] | None:
-    if os.geteuid() != 0 or not shutil.which("pg_ctlcluster") or not os.path.isdir("/etc/postgresql"):
-        return None
-    versions = sorted(os.listdir("/etc/postgresql"))
-    return (versions[-1], "main") if versions else None
-
-
-@pytest.mark.skipif(_pg_cluster() is None, reason="needs root and the machine's own PostgreSQL cluster to restart")
+@pytest.mark.skipif(pg_cluster() is None, reason="needs root and the machine's own PostgreSQL cluster to restart")
 @pytest.mark.alone  # every xdist worker's database goes down with the server
 def test_work_resumes_promptly_after_a_postgresql_restart(workers, catalog, fake):
     # A production-length lease: stalling until it runs out would show as a timeout below.
@@ -229,21 +219,8 @@ def test_work_resumes_promptly_after_a_postgresql_restart(workers, catalog, fake
     fake.answer_when("<steady>", Reply(delay=0.1))
     batch = native_batch(catalog, 400, content="<steady>")
     wait_for(lambda: states(batch).get("completed", 0) >= 80, 60, what="the batch to get going")
-    version, cluster = _pg_cluster()
-    connection.close()
-    subprocess.run(
-        ["pg_ctlcluster", "--skip-systemctl-redirect", version, cluster, "restart", "-m", "fast"],
-        check=True,
-        capture_output=True,
-    )
+    restart_postgresql()
     back = time.monotonic()
-    for _ in range(100):  # the test's own connection comes back with the server
-        try:
-            connection.close()
-            connection.ensure_connection()
-            break
-        except Exception:
-            time.sleep(0.2)
     done_before = states(batch).get("completed", 0)
     wait_for(lambda: Batch.objects.get(pk=batch.pk).completed_at, 45, interval=0.5, what="the batch after the restart")
     resumed = time.monotonic() - back

@@ -6,24 +6,21 @@ PostgreSQL restart, without being created twice, losing a record or billing one 
 jobs (its Cloud Storage and OAuth2 token endpoint: the devkit fake) too."""
 
 import json
-import subprocess
 import time
 
 import anthropic
 import openai
 import pytest
-from django.db import connection
 
 from batches.models import Item
 from batches.provider.models import JobStatus, ProviderJob
 from core.models import Host
 from core.redis import get_redis
 from devkit.vertex import DEMO_BUCKET
-from tests.test_batch_real_world import _pg_cluster
 from tests.test_cloud_batches import ACCESS_KEY_ID, MODEL_ID, ROLE, SECRET, _bind
 from tests.test_openai_batches import jsonl, wait_status
 from tests.test_storage_s3 import Bucket, s3_endpoint  # noqa: F401 - the session's S3 server (moto)
-from tests.workers import wait_for
+from tests.workers import pg_cluster, restart_postgresql, wait_for
 from usage.models import UsageEvent
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -199,7 +196,7 @@ def test_vertex_batch_through_the_api_survives_its_control_worker_killed(live_se
     assert events.count() == n and set(events.values_list("executed_by", flat=True)) == {"provider"}
 
 
-@pytest.mark.skipif(_pg_cluster() is None, reason="needs root and the machine's own PostgreSQL cluster to restart")
+@pytest.mark.skipif(pg_cluster() is None, reason="needs root and the machine's own PostgreSQL cluster to restart")
 @pytest.mark.alone  # every xdist worker's database goes down with the server
 def test_a_postgresql_restart_while_every_clouds_job_runs_loses_and_repeats_nothing(live_server, catalog, fake, fleet):
     """One batch per cloud kind (Azure, an OpenAI-compatible server, Vertex) at its provider's batch API when the
@@ -229,20 +226,7 @@ def test_a_postgresql_restart_while_every_clouds_job_runs_loses_and_repeats_noth
             )
         claude = _claude_batch(an, "vx-haiku", n)
         wait_for(lambda: ProviderJob.objects.filter(status=JobStatus.RUNNING).count() == 3, 30, what="three jobs sent")
-        version, cluster = _pg_cluster()
-        connection.close()
-        subprocess.run(
-            ["pg_ctlcluster", "--skip-systemctl-redirect", version, cluster, "restart", "-m", "fast"],
-            check=True,
-            capture_output=True,
-        )
-        for _ in range(100):  # the test's own connection comes back with the server
-            try:
-                connection.close()
-                connection.ensure_connection()
-                break
-            except Exception:
-                time.sleep(0.2)
+        restart_postgresql()
         for b in openai_batches:
             done = wait_status(oa, b.id, timeout=90)
             assert done.status == "completed" and done.request_counts.completed == n, done

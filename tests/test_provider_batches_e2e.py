@@ -4,22 +4,19 @@ provider-mode binding and a relay-mode binding and get results of the same shape
 worker killed and Redis flushed mid-run without being created twice or billing anything twice."""
 
 import json
-import subprocess
 import time
 
 import anthropic
 import openai
 import pytest
-from django.db import connection
 
 from batches.models import Batch, Item
 from batches.provider.models import JobStatus, ProviderJob
 from core.models import HostBinding, LLMModel
 from core.redis import get_redis
-from tests.test_batch_real_world import _pg_cluster
 from tests.test_openai_batches import jsonl, wait_status
 from tests.test_provider_batches import chat, openai_batch
-from tests.workers import wait_for
+from tests.workers import pg_cluster, restart_postgresql, wait_for
 from usage.models import UsageEvent
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -158,7 +155,7 @@ def test_control_worker_killed_and_redis_flushed_mid_job_loses_nothing(oai, mode
     assert len(modes.polls(job.upstream_id)) <= job.polls
 
 
-@pytest.mark.skipif(_pg_cluster() is None, reason="needs root and the machine's own PostgreSQL cluster to restart")
+@pytest.mark.skipif(pg_cluster() is None, reason="needs root and the machine's own PostgreSQL cluster to restart")
 @pytest.mark.alone  # every xdist worker's database goes down with the server
 def test_a_postgresql_restart_mid_job_loses_nothing(workers, catalog, fake):
     fake.batches.job_seconds = 4
@@ -169,20 +166,7 @@ def test_a_postgresql_restart_mid_job_loses_nothing(workers, catalog, fake):
         wait_for(lambda: ProviderJob.objects.filter(status=JobStatus.RUNNING).exists(), 20, what="the job sent")
     except AssertionError:
         raise AssertionError(str(list(ProviderJob.objects.values())) + w.output()) from None
-    version, cluster = _pg_cluster()
-    connection.close()
-    subprocess.run(
-        ["pg_ctlcluster", "--skip-systemctl-redirect", version, cluster, "restart", "-m", "fast"],
-        check=True,
-        capture_output=True,
-    )
-    for _ in range(100):  # the test's own connection comes back with the server
-        try:
-            connection.close()
-            connection.ensure_connection()
-            break
-        except Exception:
-            time.sleep(0.2)
+    restart_postgresql()
     wait_for(lambda: Batch.objects.get(pk=batch.pk).status == "completed", 60, interval=0.5, what="the batch")
     assert w.alive(), w.output()
     assert fake.batches.creates("openai") == 1

@@ -8,6 +8,7 @@ lease/heartbeat/sweep settings so crash recovery is observable in seconds.
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -209,3 +210,33 @@ def production_web(settings_dict: dict, *, log_prefix: str, access_log: bool = F
     finally:
         stop_process_group(proc)
         log.close()
+
+
+def pg_cluster() -> tuple[str, str] | None:
+    """(version, cluster) of the machine's own PostgreSQL, which a test may restart; None where it cannot
+    (not root, or no Debian cluster)."""
+    if os.geteuid() != 0 or not shutil.which("pg_ctlcluster") or not os.path.isdir("/etc/postgresql"):
+        return None
+    versions = sorted(os.listdir("/etc/postgresql"))
+    return (versions[-1], "main") if versions else None
+
+
+def restart_postgresql() -> None:
+    """Restart the machine's PostgreSQL (fast shutdown: every session is cut, as in a crash of the server)
+    and wait until the test's own connection is back."""
+    from django.db import connection
+
+    version, cluster = pg_cluster()
+    connection.close()
+    subprocess.run(
+        ["pg_ctlcluster", "--skip-systemctl-redirect", version, cluster, "restart", "-m", "fast"],
+        check=True,
+        capture_output=True,
+    )
+    for _ in range(100):
+        try:
+            connection.close()
+            connection.ensure_connection()
+            return
+        except Exception:
+            time.sleep(0.2)
