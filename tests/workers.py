@@ -3,10 +3,14 @@
 The relay's background processes are started exactly as in production
 (relay.processes: the 8-slot item worker on `batch`, the control worker on
 `control`, the webhook lane, beat), against the test database and the test Redis, with short
-lease/heartbeat/sweep settings so crash recovery is observable in seconds.
+lease/heartbeat/sweep settings so crash recovery is observable in seconds. Each is forked from a warm
+parent that has the third-party libraries imported (tests/zygote.py: about a second of each process's
+start), then runs compose's command line in its own environment; TEST_FLEET_FORK=0 starts them with
+Popen instead.
 """
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -14,6 +18,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +41,60 @@ def database_url(settings_dict: dict) -> str:
     return f"postgres://{auth}@{s['HOST'] or '127.0.0.1'}:{s['PORT'] or 5432}/{s['NAME']}"
 
 
+class _Zygote:
+    """This process's tests/zygote.py, started on first use and kept for the session (one per xdist worker)."""
+
+    _lock = threading.Lock()
+    _proc: subprocess.Popen | None = None
+
+    @classmethod
+    def ask(cls, request: dict) -> dict:
+        with cls._lock:
+            if cls._proc is None or cls._proc.poll() is not None:
+                cls._proc = subprocess.Popen(
+                    [sys.executable, "-m", "tests.zygote"], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE
+                )
+            cls._proc.stdin.write(json.dumps(request).encode() + b"\n")
+            cls._proc.stdin.flush()
+            line = cls._proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"the test zygote exited with {cls._proc.wait()}")
+            return json.loads(line)
+
+
+class Forked:
+    """A process forked by the zygote, with the part of Popen's interface the tests use."""
+
+    def __init__(self, argv: list[str], env: dict, log_path: str, stdout_path: str | None = None):
+        self.args = argv
+        self.returncode: int | None = None
+        request = {"op": "spawn", "argv": argv, "env": env, "cwd": str(ROOT), "log": log_path}
+        if stdout_path is not None:
+            request["stdout"] = stdout_path
+        self.pid = _Zygote.ask(request)["pid"]
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = _Zygote.ask({"op": "poll", "pid": self.pid})["returncode"]
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.01)
+        return self.returncode
+
+
+def _start(argv: list[str], env: dict, log, *, quiet_stdout: bool = False) -> "subprocess.Popen | Forked":
+    """argv (`python -m ...`) in a session of its own, stderr (and stdout, unless `quiet_stdout`) to `log`."""
+    if os.environ.get("TEST_FLEET_FORK", "1") != "0":
+        return Forked(argv, env, log.name, os.devnull if quiet_stdout else None)
+    stdout = subprocess.DEVNULL if quiet_stdout else log
+    return subprocess.Popen(argv, env=env, cwd=ROOT, stdout=stdout, stderr=log, start_new_session=True)
+
+
 class Worker:
     """The relay's background processes (relay.processes.fleet: item worker, control worker, webhook lane, beat),
     each in its own process group, started exactly as compose.yaml starts them."""
@@ -56,12 +115,10 @@ class Worker:
             log = open(os.path.join(self.schedule, f"{role}.log"), "w+b")  # noqa: SIM115 - closed in stop()
             self.logs[role] = log
             self.argv[role] = args
-            self.procs[role] = subprocess.Popen(
-                args, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
+            self.procs[role] = _start(args, env, log)
 
     @property
-    def proc(self) -> subprocess.Popen:
+    def proc(self) -> "subprocess.Popen | Forked":
         """The item worker (the one holding the 8 slots)."""
         return self.procs["worker"]
 
@@ -81,14 +138,7 @@ class Worker:
 
     def restart(self, role: str) -> None:
         """Start a role again after `kill(role)`, as compose's `restart: unless-stopped` would."""
-        self.procs[role] = subprocess.Popen(
-            self.argv[role],
-            env=self.env,
-            cwd=ROOT,
-            stdout=self.logs[role],
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        self.procs[role] = _start(self.argv[role], self.env, self.logs[role])
 
     def signal(self, sig: int, role: str = "worker") -> None:
         """Send a signal to one process group (SIGSTOP freezes it, SIGCONT thaws it)."""
@@ -153,7 +203,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def stop_process_group(proc: subprocess.Popen) -> None:
+def stop_process_group(proc: "subprocess.Popen | Forked") -> None:
     """SIGTERM to the process's whole group (it was started in a session of its own), SIGKILL after 20 s."""
     try:
         os.killpg(proc.pid, signal.SIGTERM)
@@ -184,13 +234,11 @@ def production_web(settings_dict: dict, *, log_prefix: str, access_log: bool = F
 
     port = free_port()
     log = tempfile.NamedTemporaryFile(prefix=log_prefix, suffix=".log")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(
+    proc = _start(
         gunicorn_argv(sys.executable, f"127.0.0.1:{port}", access_log=access_log),
-        env=dict(os.environ, DATABASE_URL=database_url(settings_dict), LOG_LEVEL="INFO", **(env or {})),
-        cwd=ROOT,
-        stdout=log if access_log else subprocess.DEVNULL,
-        stderr=subprocess.STDOUT if access_log else log,
-        start_new_session=True,
+        dict(os.environ, DATABASE_URL=database_url(settings_dict), LOG_LEVEL="INFO", **(env or {})),
+        log,
+        quiet_stdout=not access_log,
     )
     url = f"http://127.0.0.1:{port}"
 
