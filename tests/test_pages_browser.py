@@ -10,6 +10,7 @@ protocol by Playwright's Python package (`connect_over_cdp`: Playwright download
 Chromium the test skips, saying so — except under CI=true, where it must run (scripts/browser.sh
 installs it)."""
 
+import base64
 import functools
 import http.server
 import json
@@ -162,36 +163,99 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
 VIEWPORT = {"width": 1280, "height": 800}
 
 
-@pytest.fixture
-def context(browser):
+class Tab:
+    """The one tab the module opens its pages in (a tab or a context per page or per test costs Chromium
+    0.1-0.5 s each), and what its pages did: console and page errors, failed requests and HTTP error answers,
+    the requests made since the last page was opened and those still in flight."""
+
+    def __init__(self, context):
+        self.context = context
+        self.page = context.new_page()
+        self.cdp = context.new_cdp_session(self.page)
+        self.problems: list[str] = []
+        self.requested: set[str] = set()
+        self.pending: set = set()
+        page = self.page
+        page.on("console", self._console)
+        page.on("pageerror", lambda exc: self.problems.append(f"page error: {exc}"))
+        page.on("request", self._request)
+        page.on("requestfinished", lambda request: self.pending.discard(request))
+        page.on("requestfailed", self._failed)
+        page.on("response", self._response)
+
+    def _console(self, message):
+        if message.type == "error" and not _browser_own(message.location.get("url", "")):
+            self.problems.append(f"console error: {message.text} ({message.location.get('url')})")
+
+    def _request(self, request):
+        self.requested.add(request.url)
+        self.pending.add(request)
+
+    def _failed(self, request):
+        self.pending.discard(request)
+        # The browser's own /favicon.ico, still in flight when the tab moves on to the next page, is cancelled.
+        if not _browser_own(request.url):
+            self.problems.append(f"request failed: {request.url} ({request.failure})")
+
+    def _response(self, response):
+        if response.status >= 400 and not _browser_own(response.url):
+            self.problems.append(f"HTTP {response.status}: {response.url}")
+
+    def settle(self, url: str) -> None:
+        """Until the page's icon (which the browser asks for only after `load`), when it names one, is asked
+        for, and every request the page has made is answered. Playwright hands over events while it waits."""
+        icons = set(self.page.evaluate("() => [...document.querySelectorAll('link[rel~=icon]')].map(l => l.href)"))
+        deadline = time.monotonic() + PAGE_TIMEOUT_MS / 1000
+        while self.pending or (icons and not icons & self.requested):
+            assert time.monotonic() < deadline, f"{url}: still loading {[r.url for r in self.pending] or icons}"
+            self.page.wait_for_timeout(10)
+
+    def screenshot(self) -> bytes:
+        """The whole page, as PNG: the capture Playwright's full-page screenshot makes, but with Chromium's
+        fast PNG encoding (`optimizeForSpeed`), which Playwright does not offer; its default one, compressing
+        for size, takes Chromium about twice as long on the long pages (the docs', the API docs')."""
+        size = self.cdp.send("Page.getLayoutMetrics")["cssContentSize"]
+        clip = {"x": 0, "y": 0, "width": size["width"], "height": size["height"], "scale": 1}
+        shot = self.cdp.send(
+            "Page.captureScreenshot",
+            {"format": "png", "optimizeForSpeed": True, "captureBeyondViewport": True, "clip": clip},
+        )
+        return base64.b64decode(shot["data"])
+
+
+@pytest.fixture(scope="module")
+def module_tab(browser):
     ctx = browser.new_context(viewport=VIEWPORT)
-    yield ctx
+    yield Tab(ctx)
     ctx.close()
 
 
-def visit(context, url: str, name: str, shots, expect: dict[str, str | None], *, setup=None, fits=False):
-    """Open url in a new tab; fail on a console error, a page error, a failed request or an HTTP error
-    answer, and on any selector of `expect` that is not visible (or whose text lacks the given text); with
-    `fits`, on a horizontal scroll bar (the page's, or a list's own). Saves a full-page screenshot named
-    `name`.png. Returns the page, still open."""
-    page = context.new_page()
-    problems: list[str] = []
+@pytest.fixture
+def tab(module_tab):
+    """The module's tab, logged out (each test logs in afresh), with nothing carried over to check."""
+    module_tab.context.clear_cookies()
+    module_tab.problems.clear()
+    return module_tab
 
-    def on_console(message):
-        if message.type == "error" and not _browser_own(message.location.get("url", "")):
-            problems.append(f"console error: {message.text} ({message.location.get('url')})")
 
-    def on_response(response):
-        if response.status >= 400 and not _browser_own(response.url):
-            problems.append(f"HTTP {response.status}: {response.url}")
+def visit(tab: Tab, url: str, name: str, shots, expect: dict[str, str | None], *, idle=False, fits=False):
+    """Open url in the tab; fail on a console error, a page error, a failed request or an HTTP error answer,
+    and on any selector of `expect` that is not visible (or whose text lacks the given text); with `fits`, on
+    a horizontal scroll bar (the page's, or a list's own). Saves a full-page screenshot named `name`.png.
+    Returns the page, still open.
 
-    page.on("console", on_console)
-    page.on("pageerror", lambda exc: problems.append(f"page error: {exc}"))
-    page.on("requestfailed", lambda r: problems.append(f"request failed: {r.url} ({r.failure})"))
-    page.on("response", on_response)
-    if setup:
-        setup(page)
-    response = page.goto(url, wait_until="networkidle", timeout=PAGE_TIMEOUT_MS)
+    The page is taken as loaded at its `load` event, once every selector of `expect` is visible, the icon
+    it names (if any) has been asked for and every request made so far is answered. The admin's pages make
+    no other request after `load`: no script of theirs fetches anything, and they name no icon (the
+    browser's own /favicon.ico is not the page's). The API docs page's late requests are its schema, which
+    is answered before its operations (in `expect`) are drawn, and its icon. `idle` waits instead for
+    Playwright's `networkidle` (no request for 500 ms): the docs site's theme starts a web worker that
+    fetches the search index, at a moment of its own."""
+    page = tab.page
+    # What the tab did since its last page was checked (a login's landing, a search) counts too.
+    assert not tab.problems, f"before {url}: {tab.problems}"
+    tab.requested.clear()
+    response = page.goto(url, wait_until="networkidle" if idle else "load", timeout=PAGE_TIMEOUT_MS)
     assert response is not None and response.ok, f"{url}: {response and response.status}"
     missing = []
     for selector, text in expect.items():
@@ -203,11 +267,12 @@ def visit(context, url: str, name: str, shots, expect: dict[str, str | None], *,
             continue
         if text is not None and text not in node.inner_text():
             missing.append(f"{selector} with text {text!r} (got {node.inner_text()[:200]!r})")
-    page.wait_for_load_state("networkidle")
+    tab.settle(url)
+    png = tab.screenshot()  # taken once, kept in every directory
     for directory in shots:
-        page.screenshot(path=str(directory / f"{name}.png"), full_page=True)
+        (directory / f"{name}.png").write_bytes(png)
     assert not missing, f"{url}: missing {missing}"
-    assert not problems, f"{url}: {problems}"
+    assert not tab.problems, f"{url}: {tab.problems}"
     if fits:
         wide = page.evaluate(_SCROLLS_SIDEWAYS)
         assert not wide, f"{url}: scrolls sideways at {VIEWPORT['width']} px: {wide}"
@@ -237,16 +302,27 @@ def _browser_own(url: str) -> bool:
     return url.split("?", 1)[0].endswith("/favicon.ico")
 
 
-@pytest.fixture
-def staff(django_user_model):
-    return django_user_model.objects.create_superuser("browser-admin", "admin@example.com", STAFF_PASSWORD)
+@pytest.fixture(scope="module")
+def staff_password_hash():
+    """Hashed once: Django's hasher takes ~0.4 s of CPU a time, by design. Logging in still checks it."""
+    from django.contrib.auth.hashers import make_password
+
+    return make_password(STAFF_PASSWORD)
 
 
 @pytest.fixture
-def logged_in(context, live_server, staff, shots):
+def staff(django_user_model, staff_password_hash):
+    user = django_user_model.objects.create_superuser("browser-admin", "admin@example.com", None)
+    user.password = staff_password_hash
+    user.save(update_fields=["password"])
+    return user
+
+
+@pytest.fixture
+def logged_in(tab, live_server, staff, shots):
     """Log in through the admin's own login form, as an operator would."""
     page = visit(
-        context,
+        tab,
         f"{live_server.url}/admin/login/",
         "admin-login",
         shots,
@@ -257,8 +333,7 @@ def logged_in(context, live_server, staff, shots):
     with page.expect_navigation():
         page.click("input[type=submit]")
     assert page.url.rstrip("/").endswith("/admin"), page.url
-    page.close()
-    return context
+    return tab
 
 
 @pytest.fixture
@@ -290,37 +365,40 @@ def batch(live_server, catalog):
     return batch_id
 
 
-def test_docs_site(context, docs_site, shots):
+def test_docs_site(tab, docs_site, shots):
     visit(
-        context,
+        tab,
         f"{docs_site}/",
         "docs-index",
         shots,
         {".md-header": None, "nav.md-nav": None, "article h1": "Relay batch", "article table": None},
+        idle=True,
     )
     page = visit(
-        context,
+        tab,
         f"{docs_site}/architecture/",
         "docs-architecture",
         shots,
         {"article h1": "Architecture", "article pre code": "PostgreSQL", "article h2#why-nothing-is-lost": None},
+        idle=True,
     )
     # The site's search (a web worker over search_index.json) answers offline.
     page.click("input.md-search__input")
     page.locator("input.md-search__input").press_sequentially("lease", delay=30)
     page.locator(".md-search-result__item").first.wait_for(state="visible", timeout=PAGE_TIMEOUT_MS)
     visit(
-        context,
+        tab,
         f"{docs_site}/configuration/",
         "docs-configuration",
         shots,
         {"article table:has-text('DATABASE_URL')": None},
+        idle=True,
     )
 
 
-def test_api_docs_page(context, live_server, shots):
+def test_api_docs_page(tab, live_server, shots):
     visit(
-        context,
+        tab,
         f"{live_server.url}/api/docs/",
         "api-docs",
         shots,
@@ -328,7 +406,8 @@ def test_api_docs_page(context, live_server, shots):
     )
 
 
-def test_admin_batch_list_and_page(logged_in, live_server, batch, shots):
+def test_admin_batch_list_batch_page_and_health_page(logged_in, live_server, batch, shots):
+    # One test for the three pages: a login and a batch (~1-2 s of set-up) serve them all.
     short = batch[:8]
     visit(
         logged_in,
@@ -349,8 +428,6 @@ def test_admin_batch_list_and_page(logged_in, live_server, batch, shots):
     # completed, discarded, cancelled, running, available: 3, 1, 0, 1, 1 of 6 items
     assert len(widths) == 5 and widths[2] == 0 and all(widths[i] > 0 for i in (0, 1, 3, 4)), widths
 
-
-def test_health_page(logged_in, live_server, batch, shots):
     visit(
         logged_in,
         f"{live_server.url}/admin/health/",
