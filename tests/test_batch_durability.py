@@ -1,6 +1,6 @@
 """Nothing is lost: a worker SIGKILLed mid-batch, or Redis flushed mid-batch.
 
-Each test runs its own real Celery worker processes (the item worker: 8 thread slots, with the
+Its test runs real Celery worker processes of its own (the item worker: 8 thread slots, with the
 sweeper embedded), so crashes are real process deaths, not simulations.
 """
 
@@ -42,38 +42,42 @@ def assert_every_item_done_once(batch_id, n, fake):
     }
 
 
-def test_worker_killed_mid_batch_loses_nothing_and_never_reruns_completed_items(live_server, catalog, fake, workers):
-    n = 40
-    fake.script("*", [Reply(delay=0.4) for _ in range(200)])
+def test_a_worker_killed_and_redis_flushed_mid_batch_lose_nothing_and_never_rerun_completed_items(
+    live_server, catalog, fake, workers
+):
+    """One run, two fleets (not three): a batch whose wake-ups were wiped before any worker read them is
+    brought back by the sweeper; a worker SIGKILLed with both batches' records in flight loses nothing
+    and reruns nothing it had completed; Redis flushed again while the rescuer drains loses nothing."""
+    fake.answer_when("durable", Reply(delay=0.4))
+    # Submitted while no worker runs: its wake-ups sit in Redis …
+    swept = submit(live_server, catalog.key, 40)
+    assert get_redis().llen("batch") > 0
+    # … and are wiped before anyone reads them. Only the sweeper can bring them back.
+    get_redis().flushdb()
     first = workers("doomed")
-    batch_id = submit(live_server, catalog.key, n)
-    wait_for(lambda: Item.objects.filter(batch_id=batch_id, state="completed").count() >= 8, 30, what="progress")
-    wait_for(lambda: Item.objects.filter(batch_id=batch_id, state="running").count() >= 4, 10, what="items in flight")
-    completed_before = set(Item.objects.filter(batch_id=batch_id, state="completed").values_list("id", flat=True))
+
+    def completed(batch_id) -> int:
+        return Item.objects.filter(batch_id=batch_id, state="completed").count()
+
+    wait_for(lambda: completed(swept) >= 8, 30, what="the swept batch's progress")
+    killed = submit(live_server, catalog.key, 60)
+    wait_for(lambda: completed(killed) >= 8, 30, what="progress")
+    wait_for(lambda: Item.objects.filter(batch_id=killed, state="running").count() >= 4, 10, what="items in flight")
+    both = Item.objects.filter(batch_id__in=[swept, killed])
+    completed_before = set(both.filter(state="completed").values_list("id", flat=True))
     first.kill()
-    orphaned = Item.objects.filter(batch_id=batch_id, state="running").count()
-    assert orphaned >= 1  # the kill really interrupted work
+    assert Item.objects.filter(batch_id=killed, state="running").exists()  # the kill really interrupted work
     workers("rescuer")
-    wait_for(lambda: Batch.objects.get(pk=batch_id).completed_at, 60, what="the batch to finish after the kill")
-    assert_every_item_done_once(batch_id, n, fake)
+    at_kill = completed(killed)
+    wait_for(lambda: completed(killed) >= at_kill + 4, 60, what="the rescuer's progress")
+    # Mid-batch: every queued wake-up, every unacked message, every limit and breaker gone again.
+    get_redis().flushdb()
+    for batch_id in (swept, killed):
+        wait_for(lambda b=batch_id: Batch.objects.get(pk=b).completed_at, 60, what="the batches to finish")
+    assert_every_item_done_once(swept, 40, fake)
+    assert_every_item_done_once(killed, 60, fake)
     # Items completed before the kill were never run again.
     reran = Item.objects.filter(id__in=completed_before).exclude(attempt=1)
     assert not reran.exists()
     # Rescued items carry a second attempt.
-    assert Item.objects.filter(batch_id=batch_id, attempt=2).count() >= 1
-
-
-def test_redis_flushed_mid_batch_loses_nothing(live_server, catalog, fake, workers):
-    n = 40
-    fake.script("*", [Reply(delay=0.3) for _ in range(200)])
-    # Submitted while no worker runs: its wake-ups sit in Redis …
-    batch_id = submit(live_server, catalog.key, n)
-    assert get_redis().llen("batch") > 0
-    # … and are wiped before anyone reads them. Only the sweeper can bring them back.
-    get_redis().flushdb()
-    workers("survivor")
-    wait_for(lambda: Item.objects.filter(batch_id=batch_id, state="completed").count() >= 8, 30, what="progress")
-    # Mid-batch: every queued wake-up, every unacked message, every limit and breaker gone again.
-    get_redis().flushdb()
-    wait_for(lambda: Batch.objects.get(pk=batch_id).completed_at, 60, what="the batch to finish after the flush")
-    assert_every_item_done_once(batch_id, n, fake)
+    assert Item.objects.filter(batch_id=killed, attempt=2).count() >= 1

@@ -88,47 +88,25 @@ def two_keys(catalog):
 def test_a_rate_limited_provider_is_paced_not_failed(worker, catalog, fake):
     """Two keys, 5 requests/s each, 429 beyond that: every record succeeds, almost no 429s.
 
-    200 records are 20 windows of the provider's limit: the pacing is held for 20 s, long past the first
-    window's burst (its few 429s, while the limit is learnt, stay within the bound: 6 of 206 measured).
+    100 records are 10 windows of the provider's limit: the pacing is held for 10 s, long past the first
+    window's burst. Its few 429s, while the limit is learnt, are bounded in number (5-7 measured, 8 slots
+    at most), not as a share of the records: a relay that let one more 429 through per window after that
+    would exceed the bound, and one that did not pace would exceed it many times over.
     The long form (any number of records, drain rate against the limit) is the benchmark's rate-limited
     provider: `BENCH_ONLY=batch BENCH_RL_ITEMS=1000 make bench` (bench/batch_capacity.py)."""
     two_keys(catalog)
     fake.limit_rate(5)
     w = worker
-    n = 200
+    n = 100
     batch = openai_batch(catalog, [f"paced {i}" for i in range(n)])
     started = time.monotonic()
-    wait_for(lambda: status(batch) in ("completed", "failed", "expired"), 400, interval=1, what="the batch")
+    wait_for(lambda: status(batch) in ("completed", "failed", "expired"), 400, what="the batch")
     elapsed = time.monotonic() - started
     assert w.alive(), w.output()
     assert status(batch) == "completed" and states(batch) == {"completed": n}
     stats = fake.rate_stats
-    limited = stats["limited"] / max(1, stats["ok"] + stats["limited"])
-    print(f"\ndrain {n / elapsed:.2f} items/s against a 10 items/s limit; 429s: {stats['limited']} ({limited:.1%})")
-    assert limited <= 0.05, stats
-    assert_billed_once(batch)
-
-
-def test_transient_failures_are_retried_and_hopeless_items_end_with_their_history(workers, catalog, fake):
-    """10% of items answered 500 on their first try; five always answer 500."""
-    w = workers("flaky", extra_env=FAST_RETRIES)
-    contents = [f"<item-{i}>" for i in range(200)] + [f"<always-{i}>" for i in range(5)]
-    for i in range(0, 200, 10):
-        fake.answer_when(f"<item-{i}>", Reply(status=500, body={"error": {"message": "server error"}}), times=1)
-    fake.answer_when("<always-", Reply(status=500, body={"error": {"message": "still broken"}}))
-    batch = openai_batch(catalog, contents)
-    wait_for(lambda: status(batch) == "completed", 240, interval=1, what="the batch")
-    assert w.alive(), w.output()
-    by_id = {i.custom_id: i for i in Item.objects.filter(batch_id=batch.pk)}
-    good = [by_id[f"r{i}"] for i in range(200)]
-    assert {i.state for i in good} == {"completed"}
-    retried = [by_id[f"r{i}"] for i in range(0, 200, 10)]
-    assert all(Attempt.objects.filter(item=i, decision="retry").exists() for i in retried)
-    hopeless = [by_id[f"r{200 + i}"] for i in range(5)]
-    for item in hopeless:
-        assert item.state == "discarded" and item.status_code == 500 and item.retries == item.max_attempts - 1
-        decisions = list(Attempt.objects.filter(item=item).order_by("number").values_list("decision", flat=True))
-        assert decisions.count("retry") == item.max_attempts - 1 and decisions[-1] == "finish"
+    print(f"\ndrain {n / elapsed:.2f} items/s against a 10 items/s limit; 429s: {stats['limited']} of {n}")
+    assert stats["limited"] <= 10, stats
     assert_billed_once(batch)
 
 
@@ -181,7 +159,12 @@ def _busy_sessions() -> int:
         return cursor.fetchone()[0]
 
 
-def test_a_worker_frozen_inside_its_finishing_transaction_stalls_nothing(workers, catalog, fake):
+def test_a_worker_frozen_inside_its_finishing_transaction_stalls_nothing(workers, catalog, fake, monkeypatch):
+    """A worker frozen holding its item's row lock stalls neither new batches nor its own item. The healthy
+    fleet that works beside it also shows, while the frozen session waits out its timeout (one fleet, not
+    three, each booted and stopped): transient failures are retried and hopeless items end with their
+    history; its 8 slots are threads of one process (relay/processes.py: the `threads` pool, not forked pool
+    processes) that warmed itself up once, before its first item (relay/celery.py)."""
     frozen = workers("frozen", extra_env={"RELAY_DB_IDLE_IN_TRANSACTION_TIMEOUT_MS": "8000"})
     first = native_batch(catalog, 1, content="<first>")
     item = Item.objects.get(batch_id=first.pk)
@@ -192,14 +175,50 @@ def test_a_worker_frozen_inside_its_finishing_transaction_stalls_nothing(workers
         frozen.signal(signal.SIGSTOP)  # frozen holding the item's row lock, idle in transaction
         transaction.set_rollback(True)
     try:
-        second = workers("healthy")
+        monkeypatch.setenv("TEST_WORKER_LOGLEVEL", "INFO")  # its "warmed up" line
+        second = workers("healthy", extra_env=FAST_RETRIES)
         started = time.monotonic()
         batch = native_batch(catalog, 20, content="<after>")
         wait_for(lambda: Batch.objects.get(pk=batch.pk).completed_at, 30, what="a new batch past the frozen worker")
         print(f"\nnew 20-item batch completed in {time.monotonic() - started:.1f} s beside a frozen worker")
         assert states(batch) == {"completed": 20}
+
+        # 10% of items answered 500 on their first try; a few always answer 500.
+        contents = [f"<item-{i}>" for i in range(100)] + [f"<always-{i}>" for i in range(5)]
+        for i in range(0, 100, 10):
+            fake.answer_when(f"<item-{i}>", Reply(status=500, body={"error": {"message": "server error"}}), times=1)
+        fake.answer_when("<always-", Reply(status=500, body={"error": {"message": "still broken"}}))
+        flaky = openai_batch(catalog, contents)
+
         # The frozen item is rescued once the database ends the frozen session, and finished by the healthy one.
         wait_for(lambda: Batch.objects.get(pk=first.pk).completed_at, 60, what="the frozen item")
+        wait_for(lambda: status(flaky) == "completed", 120, what="the flaky batch")
+        by_id = {i.custom_id: i for i in Item.objects.filter(batch_id=flaky.pk)}
+        assert {by_id[f"r{i}"].state for i in range(100)} == {"completed"}
+        retried = [by_id[f"r{i}"] for i in range(0, 100, 10)]
+        assert all(Attempt.objects.filter(item=i, decision="retry").exists() for i in retried)
+        for hopeless in [by_id[f"r{100 + i}"] for i in range(5)]:
+            assert hopeless.state == "discarded" and hopeless.status_code == 500
+            assert hopeless.retries == hopeless.max_attempts - 1
+            decisions = list(
+                Attempt.objects.filter(item=hopeless).order_by("number").values_list("decision", flat=True)
+            )
+            assert decisions.count("retry") == hopeless.max_attempts - 1 and decisions[-1] == "finish"
+        assert_billed_once(flaky)
+
+        # Every slot held: a lease owner is `host:pid:thread:drain`, the pid the item worker's own.
+        fake.answer_when("<held>", Reply(hang=True))
+        held = native_batch(catalog, 10, content="<held>")
+        wait_for(lambda: fake.in_flight == 8, 30, what="8 held calls")
+        owners = list(Item.objects.filter(batch=held, state="running").values_list("lease_owner", flat=True))
+        assert len(owners) == 8
+        assert {owner.split(":")[1] for owner in owners} == {str(second.proc.pid)}
+        assert len({owner.split(":")[2] for owner in owners}) == 8
+        log = Path(second.logs["worker"].name).read_text(errors="replace")
+        assert log.count("worker process warmed up in") == 1, log[-3000:]
+        assert "(failed:" not in log and log.index("warmed up") < log.index("ready."), log[-3000:]
+        stop.cancel(Batch.objects.get(pk=held.pk))
+        wait_for(lambda: Batch.objects.get(pk=held.pk).completed_at, 10, what="the cancelled batch")
     finally:
         frozen.signal(signal.SIGCONT)
     # The thawed worker retries its dead transaction: fenced out, it writes nothing. Its task has ended when
@@ -251,24 +270,3 @@ def test_cancel_closes_the_running_calls_and_never_exceeds_8_per_worker(worker, 
     wait_for(lambda: fake.in_flight == 0, 10, interval=0.05, what="the second batch's calls closed")
     assert w.alive(), w.output()
     assert not UsageEvent.objects.filter(batch_id=str(first.pk), status=200).exists()
-
-
-def test_an_item_worker_runs_its_8_slots_as_threads_of_one_process(workers, catalog, fake, monkeypatch):
-    """relay/processes.py: the item worker's slots are threads of the process it starts (the `threads`
-    pool), not pool processes it forks, and that process warms itself up once, before its first item
-    (relay/celery.py). A lease owner is `host:pid:thread:drain`."""
-    monkeypatch.setenv("TEST_WORKER_LOGLEVEL", "INFO")
-    w = workers("threads")
-    fake.answer_when("<held>", Reply(hang=True))
-    batch = native_batch(catalog, 10, content="<held>")
-    wait_for(lambda: fake.in_flight == 8, 30, what="8 held calls")
-    owners = list(Item.objects.filter(batch=batch, state="running").values_list("lease_owner", flat=True))
-    assert len(owners) == 8
-    assert {owner.split(":")[1] for owner in owners} == {str(w.proc.pid)}
-    assert len({owner.split(":")[2] for owner in owners}) == 8
-    log = Path(w.logs["worker"].name).read_text(errors="replace")
-    assert log.count("worker process warmed up in") == 1, log[-3000:]
-    assert "(failed:" not in log and log.index("warmed up") < log.index("ready."), log[-3000:]
-    stop.cancel(Batch.objects.get(pk=batch.pk))
-    wait_for(lambda: Batch.objects.get(pk=batch.pk).completed_at, 10, what="the cancelled batch")
-    assert w.alive(), w.output()

@@ -183,23 +183,26 @@ def token_batch(catalog, n: int) -> Batch:
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_batch_against_a_token_limited_provider_is_paced_not_refused(workers, catalog):
+def test_a_batch_against_a_token_limited_provider_is_paced_not_refused(worker, catalog):
     """One key, 3,000 tokens per 1 s window; each record counts 202 tokens at its start (prompt plus
-    max_tokens) and uses 102. Almost no call is answered 429 and every record completes."""
+    max_tokens) and uses 102. Almost no call is answered 429 and every record completes.
+
+    120 records are some 8 windows of the limit, long past the first. The 429s are bounded in number (the
+    1% of 240 calls this test once allowed), not as a share, so fewer records do not loosen the bound. The
+    shared fleet drains it: the provider is the catalog's host, which the workers read from the database."""
     provider = start(TokenLimitedUpstream(limit_tokens=3000, window=1.0, delay=0.02))
     try:
         host = catalog.hosts["openai"]
         host.base_url = provider.url
         host.save()
         PolicyHostKey.objects.filter(policy=catalog.policy).exclude(host_key=catalog.keys[0]).delete()
-        w = workers("tokens")
-        n = 240
+        w = worker
+        n = 120
         batch = token_batch(catalog, n)
         started = time.monotonic()
         wait_for(
             lambda: Batch.objects.get(pk=batch.pk).status in ("completed", "failed", "expired"),
             300,
-            interval=1,
             what="the batch",
         )
         elapsed = time.monotonic() - started
@@ -212,7 +215,7 @@ def test_a_batch_against_a_token_limited_provider_is_paced_not_refused(workers, 
             f"({stats['tokens'] / elapsed / 3000:.0%}); 429s: {stats['limited']} of {calls}"
         )
         assert stats["ok"] == n
-        assert stats["limited"] <= 0.01 * calls, stats
+        assert stats["limited"] <= 2, stats
     finally:
         provider.shutdown()
         provider.server_close()
