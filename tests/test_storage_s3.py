@@ -173,21 +173,20 @@ def test_a_discarded_input_leaves_nothing_and_read_back_returns_what_was_written
 
 
 def _stream(total: int, chunk: int = 256 * 1024):
-    """`total` bytes of JSONL made as they are asked for (never all at once), and their sha256."""
+    """`total` bytes of JSONL made as they are asked for (never all at once), and their sha256. Each chunk is a
+    line numbering it, then lines of a fixed filler: no two chunks are alike (a part sent twice, lost or out of
+    order changes the digest), and a chunk is two allocations, not thousands of lines built one by one (under
+    tracemalloc, which the 70 MiB test runs, that cost most of its time)."""
     digest = hashlib.sha256()
-    line = 0
+    filler = b"".join(b'{"n": %d, "pad": "%s"}\n' % (n, b"y" * (n % 50)) for n in range(chunk // 30))
 
     def chunks():
-        nonlocal line
-        sent = 0
+        sent = n = 0
         while sent < total:
-            block = bytearray()
-            while len(block) < chunk:
-                block += b'{"n": %d, "pad": "%s"}\n' % (line, b"y" * (line % 50))
-                line += 1
-            data = bytes(block[: min(chunk, total - sent)])
+            data = (b'{"chunk": %d}\n' % n + filler)[: min(chunk, total - sent)]
             digest.update(data)
             sent += len(data)
+            n += 1
             yield data
 
     return chunks(), digest
@@ -222,13 +221,18 @@ def test_a_70_mib_file_goes_multipart_and_streams_both_ways_in_bounded_memory(bu
 
 
 @pytest.mark.django_db
-def test_a_multipart_upload_cut_short_is_aborted_and_leaves_no_object(bucket):
-    chunks, _ = _stream(70 * MiB)
-    writer = storage.file_writer("cut", limit=66 * MiB)
+def test_a_multipart_upload_cut_short_is_aborted_and_leaves_no_object(bucket, monkeypatch):
+    from batches import storage_s3
+
+    # S3's smallest parts: the cut-short upload is the same at 6 MiB as past the real 64 MiB (the test above).
+    monkeypatch.setattr(storage_s3, "MULTIPART_THRESHOLD", 6 * MiB)
+    monkeypatch.setattr(storage_s3, "PART_SIZE", 5 * MiB)
+    chunks, _ = _stream(20 * MiB)
+    writer = storage.file_writer("cut", limit=12 * MiB)
     with pytest.raises(storage.FileTooLarge):
         for data in chunks:
             writer.write(data)
-    assert len(bucket.uploads()) == 1  # the upload had begun (past 64 MiB) …
+    assert len(bucket.uploads()) == 1  # the upload had begun (past the threshold, a part sent) …
     writer.discard()
     assert bucket.uploads() == [] and bucket.keys() == []  # … and is aborted: nothing is left
 
