@@ -7,6 +7,11 @@ import os
 from celery import Celery, signals
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "relay.settings")
+# Celery's Django fixup runs Django's system checks in every worker and beat at start (URLs, admin, models:
+# 0.1-0.3 CPU-s each, once per process and pool). They are the deployment's checks, not the process's:
+# `migrate`, compose's first step (and embedded mode's), runs them with the same settings before any worker
+# starts. An operator who wants them per process sets CELERY_SKIP_CHECKS= (empty).
+os.environ.setdefault("CELERY_SKIP_CHECKS", "1")
 
 app = Celery("relay")
 app.config_from_object("django.conf:settings", namespace="CELERY")
