@@ -70,6 +70,18 @@ def pytest_unconfigure(config):
         shutil.rmtree(config._relay_run_dir, ignore_errors=True)
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config):
+    """Passwords made in this process (pytest-django's admin_user, the admin tests' staff users) are hashed
+    with MD5, as Django's testing docs advise: the production hasher (PBKDF2, ~0.25 CPU-s a password) cost
+    a second of CPU per ~4 admin tests. Nothing here checks a hasher; the processes the suite starts
+    (gunicorn, the workers, embedded mode) keep relay.settings' own."""
+    from django.conf import settings
+
+    if settings.configured:
+        settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+
+
 # A test marked `alone` (it restarts PostgreSQL, which every worker uses) runs while no other xdist worker
 # runs a test: each test holds a shared lock, an `alone` test the exclusive one (a gate first, so the
 # shared holders cannot starve it). The others drop their connections to the restarted server after it.
@@ -310,9 +322,11 @@ class _SharedFleet:
     one module that asks for it to the next. It runs only where a module's own fleet ran: from a module's
     first test that asks for `worker` to the module's end. Elsewhere it is frozen (SIGSTOP, `freeze`), never
     beside a test that needs the database and Redis to itself (a running fleet would claim the items and
-    tasks of in-process tests, and double the slots of tests that count them), and stopped beside a fleet a
-    test starts itself. Between tests it is what a module's own fleet was between its tests: the database
-    emptied under it, its broker flushed (`_clean_redis`)."""
+    tasks of in-process tests, and double the slots of tests that count them), nor beside a fleet a test or
+    a module starts itself (frozen rather than stopped: a boot costs ~6 CPU-seconds, and about 25 tests and
+    modules start fleets of their own, each followed by a module that wants this one back). Between tests
+    it is what a module's own fleet was between its tests: the database emptied under it, its broker
+    flushed (`_clean_redis`)."""
 
     APP = "relay-tests-shared-fleet"  # its PostgreSQL sessions' application_name (libpq reads PGAPPNAME)
 
@@ -402,15 +416,13 @@ _shared_fleet = _SharedFleet()
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
-    """Before a test's fixtures, for a test that does not ask for `worker`: the shared fleet stops when the
-    test starts fleets of its own, and is frozen for a test of a module that has not taken it (a unit test,
-    which touches neither the database nor Redis, leaves it as it is)."""
+    """Before a test's fixtures, for a test that does not ask for `worker`: the shared fleet is frozen when the
+    test starts fleets of its own, or belongs to a module that has not taken it (a unit test, which touches
+    neither the database nor Redis, leaves it as it is)."""
     names = item.fixturenames
     if "worker" in names or _shared_fleet.fleet is None:
         return
-    if "workers" in names:
-        _shared_fleet.stop()
-    elif _module_name(item) != _shared_fleet.module and not item.get_closest_marker("unit"):
+    if "workers" in names or (_module_name(item) != _shared_fleet.module and not item.get_closest_marker("unit")):
         from django.db import connection
 
         from tests.workers import database_url
@@ -439,7 +451,9 @@ def _module_fleet(request, django_db_setup, worker_env, _shared_fleet_session):
     if not worker_env:
         yield None
         return
-    _shared_fleet_session.stop()  # never two fleets on one broker
+    # Never two running fleets on one broker: the shared one is frozen (it takes nothing while stopped, and
+    # is thawed for the next module that asks for it rather than booted again).
+    _shared_fleet_session.freeze(database_url(connection.settings_dict), _restarts_seen(request.config))
     name = request.module.__name__.rsplit(".", 1)[-1].replace("_", "-")
     w = Worker(database_url(connection.settings_dict), name, extra_env=worker_env)
     yield w
@@ -602,3 +616,24 @@ def _fast_transactional_reset():
 
 
 _fast_transactional_reset()
+
+
+# --- where a run's time goes -------------------------------------------------------------------------
+# TEST_TIMELINE=FILE: each xdist worker appends a line per test (worker, start, end, node id): which tests
+# ran beside which, and what the last minutes of a run wait on.
+
+
+_timeline_started: dict = {}
+
+
+def pytest_runtest_logstart(nodeid, location):
+    if os.environ.get("TEST_TIMELINE"):
+        _timeline_started[nodeid] = time.time()
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    path = os.environ.get("TEST_TIMELINE")
+    if path and nodeid in _timeline_started:
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        with open(path, "a") as f:
+            f.write(f"{worker} {_timeline_started.pop(nodeid):.2f} {time.time():.2f} {nodeid}\n")

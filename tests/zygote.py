@@ -121,9 +121,29 @@ def _child(request: dict) -> None:
     argv = request["argv"]
     if argv[1:2] != ["-m"]:
         raise SystemExit(f"zygote: only `python -m MODULE ...` command lines, not {argv!r}")
+    _name(argv)
     sys.argv = [argv[2], *argv[3:]]
     sys.path[0] = request["cwd"]
     runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
+
+
+def _name(argv: list[str]) -> None:
+    """A fork keeps this process's command line, so `ps` and `top` would show every child as the zygote:
+    the child's name (the `comm` column) says what it runs instead: a Celery worker's node name
+    (`items-shared`, `control-shared`), `celery beat`, `webhooks`, `gunicorn`."""
+    if "-n" in argv:
+        name = argv[argv.index("-n") + 1].split("@")[0]
+    elif "beat" in argv:
+        name = "celery beat"
+    else:
+        name = argv[3] if argv[2] == "relay.processes" else argv[2]
+    name = name[:15].encode()
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(15, ctypes.c_char_p(name), 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
 
 
 def main() -> None:
