@@ -34,7 +34,7 @@ fi
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 # Whole modules go to one worker (their worker fleets are started once), in the order tests/conftest.py
-# gives them: the longest first. 2 workers: with this round's end-to-end tests (streams, provider jobs,
-# webhooks) 3 workers kept both cores saturated (the suite took 8-9 minutes either way) and tests that
-# check a process keeps time (a heartbeat, a page load) failed in clean-clone CI runs for want of CPU.
-.venv/bin/python -m pytest -n "${TEST_WORKERS:-2}" --dist loadgroup --no-loadscope-reorder "$@"
+# gives them: the longest first. 3 workers: with fleets forked warm and frozen rather than stopped, the
+# suite no longer keeps both cores busy with 2 (2026-12-08: 2 workers 4 min 53 s, 3 workers 4 min 1 s,
+# 4 workers 4 min 57 s with the cores saturated and a timing test failing for want of CPU).
+.venv/bin/python -m pytest -n "${TEST_WORKERS:-3}" --dist loadgroup --no-loadscope-reorder "$@"
