@@ -18,6 +18,11 @@ class BatchesConfig(AppConfig):
 
         # A batch worker warms up before it takes work (Celery's worker_init comes after this).
         warmup.connect()
+        from django.test.signals import setting_changed
+
+        from batches.worker import bookkeeper
+
+        setting_changed.connect(bookkeeper.rescheduled, dispatch_uid="batches.worker.bookkeeper.rescheduled")
 
         post_migrate.connect(_sync_error_codes, sender=self)
 

@@ -291,6 +291,34 @@ def test_the_bookkeeper_thread_outlives_errors(catalog, django_db_blocker):
     assert thread.alive() and keeper.bookkeeper() is thread
 
 
+def test_the_bookkeeper_beats_on_the_interval_set_after_an_hour_long_one(catalog, settings):
+    """A test that wants no beat sets the interval to an hour; the thread, asleep until then, must beat on
+    the interval set after it (restored, or made short) rather than an hour later: each change wakes it."""
+    import threading
+
+    beaten = threading.Event()
+
+    class Witness:  # a registrant of the bookkeeper's, as a Heartbeat is
+        def should_stop(self) -> bool:
+            return False
+
+        def beat(self) -> None:
+            beaten.set()
+
+    thread, witness = keeper.bookkeeper(), Witness()
+    settings.RELAY_BATCH_HEARTBEAT_SECONDS = 3600
+    thread.register(witness)
+    try:
+        # A thread that does not see the change beats once more at the old interval (2 s) and schedules
+        # the next an hour away; one that does waits the hour from its last beat. Either way, then:
+        beaten.wait(2.5)
+        beaten.clear()
+        settings.RELAY_BATCH_HEARTBEAT_SECONDS = 0.1
+        assert beaten.wait(30), "the bookkeeper waited out the hour-long interval"
+    finally:
+        thread.unregister(witness)
+
+
 def test_a_claim_commits_without_waiting_for_the_disk_and_the_finish_waits(catalog):
     """The claim's own transaction runs with synchronous_commit off; nothing else does. Seen from inside
     one transaction (a claim and SHOW in the same one), and from the session after it."""

@@ -209,7 +209,9 @@ class Bookkeeper:
         write_results([job[1], *(fn for _, fn in self.backlog if getattr(fn, "unstored", False))])
 
     def _run(self) -> None:
-        next_beat = time.monotonic() + settings.RELAY_BATCH_HEARTBEAT_SECONDS
+        interval = settings.RELAY_BATCH_HEARTBEAT_SECONDS
+        last_beat = time.monotonic()
+        next_beat = last_beat + interval
         following = None  # a job taken while looking for a claim to pair a finish with
         while True:
             # Nothing may end this thread: a drain waits on the writes it was handed.
@@ -232,8 +234,12 @@ class Bookkeeper:
                         job = following = None
                 if job is not None:
                     _run_job(*job)
+                if settings.RELAY_BATCH_HEARTBEAT_SECONDS != interval:  # changed in this process: `rescheduled`
+                    interval = settings.RELAY_BATCH_HEARTBEAT_SECONDS
+                    next_beat = last_beat + interval
                 if time.monotonic() >= next_beat:
-                    next_beat = time.monotonic() + settings.RELAY_BATCH_HEARTBEAT_SECONDS
+                    last_beat = time.monotonic()
+                    next_beat = last_beat + interval
                     self._beat()
             except Exception:
                 log.exception("batch bookkeeper: unexpected error; going on")
@@ -337,6 +343,15 @@ def bookkeeper() -> Bookkeeper:
             _instance = Bookkeeper()
             _instance.beats, _instance.jobs, _instance.backlog = old.beats, old.jobs, old.backlog
         return _instance
+
+
+def rescheduled(setting=None, **kwargs) -> None:
+    """RELAY_BATCH_HEARTBEAT_SECONDS changed in this process (override_settings; Django's setting_changed,
+    connected by the batches app): the thread, which may be waiting out the old interval (an hour, set by a
+    test that wanted no beat), is woken to count from its last beat with the new one."""
+    keeper = _instance
+    if setting == "RELAY_BATCH_HEARTBEAT_SECONDS" and keeper is not None and keeper.pid == os.getpid():
+        keeper.submit(lambda: None)
 
 
 def close_bookkeeper() -> None:
