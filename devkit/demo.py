@@ -1,11 +1,14 @@
 """The embedded mode's demo catalog, pointed at the demo upstream: `python -m devkit.demo` (what `make run` runs)
-applies it and prints the demo relay key.
+applies it and prints the demo relay key. Embedded mode also has it migrate the database first and make the
+`admin` user (`--migrate`, `--admin-password-file`): one Python process for its three set-up steps, not three.
 
 Everything here is labelled `demo`; it exists so the README's curl examples
 work offline. A real deployment applies its own catalog with `relay apply`.
 """
 
+import argparse
 import os
+import secrets
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -56,7 +59,40 @@ def seed_demo() -> str:
     return plaintext
 
 
-if __name__ == "__main__":
+def ensure_admin(path: Path) -> str:
+    """The `admin` superuser, its password kept in `path` (made once, readable by the owner only). Returns
+    the password. With the file already there, nothing is written."""
+    if path.exists():
+        return path.read_text().strip()
+    from core.models import User
+
+    password = secrets.token_urlsafe(12)
+    user = User.objects.filter(username="admin").first() or User(username="admin")
+    user.is_staff = user.is_superuser = True
+    user.set_password(password)
+    user.save()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(password + "\n")
+    path.chmod(0o600)
+    return password
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m devkit.demo", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--migrate", action="store_true", help="apply the migrations first (and the system checks)")
+    parser.add_argument("--admin-password-file", type=Path, help="make the admin user; its password in this file")
+    args = parser.parse_args(argv)
+    if args.migrate:
+        from django.core.management import call_command
+
+        # skip_checks=False: `manage.py migrate` runs the system checks; call_command would skip them.
+        call_command("migrate", interactive=False, verbosity=0, skip_checks=False)
     key = seed_demo()
+    if args.admin_password_file:
+        ensure_admin(args.admin_password_file)
     if key:
         print(key)
+
+
+if __name__ == "__main__":
+    main()
