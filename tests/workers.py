@@ -165,13 +165,17 @@ class Worker:
             proc.wait(timeout=10)
         for log in self.logs.values():
             log.close()
+        # Its logs and beat's schedule: a run starts ~25 fleets; read them (`output`, `logs`) before the stop.
+        shutil.rmtree(self.schedule, ignore_errors=True)
 
     def output(self) -> str:
         parts = []
         for role, log in self.logs.items():
             if not log.closed:
                 log.flush()
-            parts.append(f"--- {role} ---\n" + Path(log.name).read_text(errors="replace")[-3000:])
+            path = Path(log.name)
+            text = path.read_text(errors="replace")[-3000:] if path.exists() else "(removed when the fleet stopped)"
+            parts.append(f"--- {role} ---\n" + text)
         return "\n".join(parts)
 
 
