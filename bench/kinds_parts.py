@@ -13,7 +13,7 @@ from urllib.parse import quote, urlsplit
 import requests
 
 from bench import catalog, harness
-from bench.provider_batch_parts import upload_and_create, write_jsonl
+from bench.provider_batch_parts import max_in, upload_and_create, write_jsonl
 
 DEMO_CATALOG = harness.ROOT / "deploy" / "demo-catalog.yaml"
 UPSTREAM_KEY = "demo-upstream-key"  # RELAY_HOSTKEY_DEMO: every demo host key's value, and Bedrock's secret
@@ -276,20 +276,11 @@ def polls(entries: list[dict]) -> dict:
                 "polls": len(got),
                 "span_s": span,
                 "per_minute": len(got) / span * 60 if span else float("nan"),
-                "max_60s": _max_in(about, 60.0),
+                "max_60s": max_in(about, 60.0),
             }
         )
     apis = sorted({e["api"] for e in entries if e["op"] == "create"})
     return {"jobs": out, "apis": apis, "requests": len(entries)}
-
-
-def _max_in(times: list[float], window: float) -> int:
-    best, lo = 0, 0
-    for hi, t in enumerate(times):
-        while t - times[lo] >= window:
-            lo += 1
-        best = max(best, hi - lo + 1)
-    return best
 
 
 def batch_costs(web_url: str) -> dict[str, tuple[int, int, int]]:

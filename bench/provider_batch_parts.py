@@ -317,15 +317,16 @@ def upstream_requests(upstream, r: dict) -> dict:
                 "relay_polls": job["polls"],
                 "poll_span_s": span,
                 "poll_offsets_s": [round(t - created, 1) for t in polls] if created else [],
-                "max_polls_60s": _max_in(polls, 60.0),
-                "max_requests_60s": _max_in(about, 60.0),
+                "max_polls_60s": max_in(polls, 60.0),
+                "max_requests_60s": max_in(about, 60.0),
                 "per_minute": (len(polls) - 1) / span * 60 if span else float("nan"),
             }
         )
     return out
 
 
-def _max_in(times: list[float], window: float) -> int:
+def max_in(times: list[float], window: float) -> int:
+    """The most of `times` (sorted) within any `window` seconds."""
     best, lo = 0, 0
     for hi, t in enumerate(times):
         while t - times[lo] >= window:
