@@ -27,8 +27,9 @@ import runpy
 import sys
 
 # The libraries a relay process imports that cost the most (python -X importtime on the item worker,
-# cumulative >= 8 ms each). A name that fails to import here (one that needs Django's app registry) is
-# skipped: the child imports it as it always did.
+# cumulative >= 8 ms each), less those that read Django's settings as they load (DRF's views, drf-spectacular's
+# openapi, auth's base_user): they cannot load here. A name that fails to import (a later library version
+# that starts reading settings) is skipped: the child imports it as it always did.
 PRELOAD = (
     "django",
     "django.conf",
@@ -43,11 +44,8 @@ PRELOAD = (
     "django.core.handlers.wsgi",
     "django.utils.deprecation",
     "django.contrib.admin",
-    "django.contrib.auth.base_user",
     "asgiref.sync",
-    "rest_framework.views",
     "rest_framework.serializers",
-    "drf_spectacular.openapi",
     "celery",
     "celery.app.base",
     "celery.bin.celery",
